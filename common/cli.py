@@ -1,0 +1,24 @@
+"""Command-line plumbing: bad input is reported in one line, before any model is built."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """Bad user input (a flag, a file, a row of a file)."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def run(main, args) -> None:
+    """Call main(args); a ConfigError becomes `<script>: error: <message>` and exit status 2."""
+    try:
+        main(args)
+    except ConfigError as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)

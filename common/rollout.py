@@ -1,0 +1,168 @@
+"""Sampling completions and scoring tokens.
+
+Sampling is a plain KV-cached loop rather than `model.generate`, for three reasons a reader of the
+algorithms cares about:
+  * it records the behaviour log-probs log mu(y_t | .) of the exact distribution it sampled from
+    (softmax(logits / temperature), no hidden top-k/top-p from a model's generation_config);
+  * each completion draws its randomness from its own key (seed, step, prompt index, g), so the
+    completions of a prompt do not depend on the batch size, on micro-batching or on how prompts
+    are sharded across processes: 1 and 2 processes sample the same tokens, and a resumed run
+    samples what the uninterrupted run sampled;
+  * it stops as soon as every row has produced EOS.
+Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u_i}, u_i ~ U[0, 1).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    completion_ids: torch.Tensor  # (B, T) pad after the first EOS
+    completion_mask: torch.Tensor  # (B, T) 1 up to and including the first EOS
+    logprobs: torch.Tensor  # (B, T) behaviour log-probs at the sampling temperature, 0 where masked
+    finished: torch.Tensor  # (B,) True where the completion ended with EOS
+    texts: list[str]  # decoded completions, without special tokens
+
+
+def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask; chat models get their chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def row_uniforms(keys: list[tuple[int, ...]], length: int, device) -> torch.Tensor:
+    """(B, length) uniforms in [0, 1), row b drawn from its own seed sequence keys[b]."""
+    u = np.stack([np.random.default_rng(list(key)).random(length) for key in keys])
+    return torch.from_numpy(u).to(device=device, dtype=torch.float32)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 for every token up to and including the first EOS; and whether an EOS was produced."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    eos_seen_before = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    return (~eos_seen_before).long(), is_eos.any(-1)
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=None, use_cache=True):
+    """model(...) across transformers versions: the KV cache argument is `cache` in newer releases."""
+    params = inspect.signature(model.forward).parameters
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+    if cache is not None:
+        kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    if logits_to_keep is not None and "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = logits_to_keep
+    out = model(**kwargs)
+    cache = getattr(out, "cache", None)
+    return out.logits, cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+@torch.no_grad()
+def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
+           pad_id: int, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
+    with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T)."""
+    B = prompt_ids.shape[0]
+    mask = prompt_mask.clone()
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits, cache = _forward(model, prompt_ids, mask, position, logits_to_keep=1)
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logprobs = [], []
+    for t in range(max_new_tokens):
+        logp = torch.log_softmax(logits[:, -1].float() / (temperature or 1.0), dim=-1)
+        if temperature == 0:
+            token = logp.argmax(-1, keepdim=True)
+        else:  # inverse CDF: the first token whose cumulative probability exceeds u
+            cdf = logp.exp().cumsum(-1)
+            token = torch.searchsorted(cdf, uniforms[:, t : t + 1].contiguous(), right=True).clamp(max=cdf.shape[-1] - 1)
+        token_logp = logp.gather(-1, token)
+        tokens.append(torch.where(done[:, None], pad_id, token))
+        logprobs.append(torch.where(done[:, None], 0.0, token_logp))
+        done |= torch.isin(token[:, 0], eos)
+        if done.all() or t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+        position = position[:, -1:] + 1
+        logits, cache = _forward(model, token, mask, position, cache=cache)
+    return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+
+
+def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
+            temperature: float, eos_ids: list[int], device) -> Rollout:
+    """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    uniforms = row_uniforms(keys, max_new_tokens, device) if temperature > 0 else None
+    was_training = model.training
+    model.eval()
+    ids, logprobs = sample(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids,
+                           tokenizer.pad_token_id, uniforms)
+    model.train(was_training)
+    mask, finished = completion_mask(ids, eos_ids)
+    texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
+    return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs * mask, finished, texts)
+
+
+def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature), with the
+    same positions and mask as at sampling; and the entropy of that distribution if asked."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    logits, _ = _forward(model, input_ids, attention_mask, position_ids, logits_to_keep=T + 1, use_cache=False)
+    logits = logits[:, -T - 1 : -1].float() / (temperature or 1.0)  # the logits that predict y_1..y_T
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logps, entropy
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+EVAL_KEY = 2**31 - 1  # the eval draws use keys (seed, EVAL_KEY, prompt, sample): the same at every eval
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temperature: float, eos_ids: list[int],
+             device, seed: int, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """pass@1 and pass@k from n samples per held-out prompt at the sampling temperature (unbiased
+    estimator), greedy accuracy, and mean sampled reward. Prompts are sharded over processes."""
+    from accelerate.utils import gather_object
+
+    idx = list(range(rank, len(task.test), world))
+    prompts, answers = [task.test[i]["prompt"] for i in idx], [task.test[i]["answer"] for i in idx]
+    sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
+                      [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device)
+    rewards = task.reward(sampled.texts, [a for a in answers for _ in range(n)])
+    greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device)
+    greedy_rewards = task.reward(greedy.texts, answers)
+    per_prompt = [(sum(r >= 1.0 for r in rewards[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
+                   float(greedy_rewards[j] >= 1.0)) for j in range(len(idx))]
+    per_prompt = gather_object(per_prompt) if world > 1 else per_prompt
+    m = len(per_prompt)
+    return {
+        "eval/pass@1": sum(pass_at_k(n, c, 1) for c, _, _ in per_prompt) / m,
+        "eval/pass@k": sum(pass_at_k(n, c, k) for c, _, _ in per_prompt) / m,
+        "eval/greedy": sum(g for _, _, g in per_prompt) / m,
+        "eval/reward_mean": sum(r for _, r, _ in per_prompt) / m,
+    }

@@ -1,0 +1,203 @@
+"""Tasks: a train and a test `datasets.Dataset` with `prompt` and `answer` columns, and a reward.
+
+    reward(completions: list[str], answers: list[str]) -> list[float] in [0, 1]
+
+A completion counts as a success when its reward is 1 (pass@k is computed on successes).
+
+Embedded tasks (offline, generated from a fixed seed, each with a warm-started tiny model):
+    reverse  "40213>" -> "31204"   exact match (the default job)
+    add      "47+85=" -> "132"     partial progress: fraction of digits right, aligned on the units
+Real task:
+    gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
+             `answer` fields; the reference answer is the number after `####` (or the whole answer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Callable
+
+from datasets import Dataset
+
+from common.cli import ConfigError
+
+EMBEDDED_TASKS = ("reverse", "add")
+TASKS = EMBEDDED_TASKS + ("gsm8k",)
+DATA_SEED = 1234  # the embedded data sets are the same for every run and every seed
+
+
+@dataclass
+class Task:
+    name: str
+    train: Dataset
+    test: Dataset
+    reward: Callable[[list[str], list[str]], list[float]]
+    max_new_tokens: int  # default completion budget for this task
+
+
+# ---------------------------------------------------------------- embedded tasks
+def reverse_example(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 5)))
+    return f"{digits}>", digits[::-1]
+
+
+def add_example(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"{a}+{b}=", str(a + b)
+
+
+EXAMPLES = {"reverse": reverse_example, "add": add_example}
+
+
+def reverse_noisy_label(answer: str, rng: random.Random) -> str:
+    """Warm-start label noise for `reverse`: the digits in a random order."""
+    return "".join(rng.sample(answer, len(answer)))
+
+
+def add_noisy_label(answer: str, rng: random.Random) -> str:
+    """Warm-start label noise for `add`: each digit replaced by a random one with probability 1/2."""
+    return "".join(rng.choice("0123456789") if rng.random() < 0.5 else d for d in answer)
+
+
+NOISY_LABELS = {"reverse": reverse_noisy_label, "add": add_noisy_label}
+
+
+def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+    return [float(c.strip() == a) for c, a in zip(completions, answers)]
+
+
+def digit_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """Fraction of digit positions right, aligned on the units digit, over the longer string."""
+    rewards = []
+    for c, a in zip(completions, answers):
+        c = c.strip()
+        hits = sum(x == y for x, y in zip(reversed(c), reversed(a)))
+        rewards.append(hits / max(len(c), len(a)))
+    return rewards
+
+
+def embedded_dataset(name: str, n: int, seed: int, exclude: set[str] = frozenset()) -> Dataset:
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    while len(rows) < n:
+        prompt, answer = EXAMPLES[name](rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append({"prompt": prompt, "answer": answer})
+    return Dataset.from_list(rows)
+
+
+def embedded_task(name: str, num_test: int = 128, num_train: int = 5000) -> Task:
+    test = embedded_dataset(name, num_test, DATA_SEED)
+    train = embedded_dataset(name, num_train, DATA_SEED + 1, exclude=set(test["prompt"]))
+    reward = exact_match_reward if name == "reverse" else digit_match_reward
+    return Task(name, train, test, reward, max_new_tokens=8)
+
+
+# ---------------------------------------------------------------- GSM8K
+GSM8K_INSTRUCTION = "\nSolve the problem step by step, then give the final answer after '####'."
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+
+
+def extract_number(text: str) -> Decimal | None:
+    """The final answer of a GSM8K completion: the first number after the last '####' if there is
+    one, else the last number in the text. Commas in thousands, '$' and signs are handled, and
+    3.50 == 3.5."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1]
+        match = _NUMBER.search(tail)
+        matches = [match] if match else []
+    else:
+        matches = list(_NUMBER.finditer(text))
+    if not matches:
+        return None
+    try:
+        return Decimal(matches[-1].group().replace(",", "").lstrip("+"))
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
+    rewards = []
+    for c, a in zip(completions, answers):
+        predicted, reference = extract_number(c), extract_number(a)
+        rewards.append(float(predicted is not None and predicted == reference))
+    return rewards
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a .jsonl (one object a line) or .json (a list of objects, or {"data": [...]}) file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--data-path {path}: no such file")
+    text = p.read_text()
+    if p.suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{path} line {i + 1}: not valid JSON ({e.msg})") from None
+        return rows
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    rows = data.get("data") if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ConfigError(f"{path}: expected a list of rows or an object with a 'data' list")
+    return rows
+
+
+def gsm8k_rows(rows: list[dict], source: str) -> list[dict]:
+    """Check every row and turn it into {prompt, answer}; a bad row is named by its index."""
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{source} row {i}: expected an object, got {type(row).__name__}")
+        question = row.get("question", row.get("prompt"))
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError(f"{source} row {i}: needs a non-empty string field 'question' (or 'prompt')")
+        answer = row.get("answer")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or extract_number(answer) is None:
+            raise ConfigError(f"{source} row {i}: field 'answer' must contain a final number (e.g. '#### 42')")
+        out.append({"prompt": question.strip() + GSM8K_INSTRUCTION, "answer": str(extract_number(answer))})
+    if not out:
+        raise ConfigError(f"{source}: no rows")
+    return out
+
+
+def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int) -> Task:
+    if data_path is None:
+        from datasets import load_dataset
+
+        hub = load_dataset("openai/gsm8k", "main")
+        train = gsm8k_rows(list(hub["train"]), "openai/gsm8k train")
+        test = gsm8k_rows(list(hub["test"]), "openai/gsm8k test")[:num_test]
+    else:
+        train = gsm8k_rows(read_rows(data_path), data_path)
+        if eval_data_path is not None:
+            test = gsm8k_rows(read_rows(eval_data_path), eval_data_path)[:num_test]
+        else:  # hold out the last rows of the file (at most half of it)
+            held_out = min(num_test, len(train) // 2)
+            if held_out == 0:
+                raise ConfigError(f"--data-path {data_path}: needs at least 2 rows, or pass --eval-data-path")
+            train, test = train[:-held_out], train[-held_out:]
+    return Task("gsm8k", Dataset.from_list(train), Dataset.from_list(test), gsm8k_reward, max_new_tokens=256)
+
+
+def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128) -> Task:
+    if name not in TASKS:
+        raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
+    if name in EMBEDDED_TASKS:
+        if data_path is not None:
+            raise ConfigError(f"--data-path is only used with --task gsm8k, not with the embedded task {name!r}")
+        return embedded_task(name, num_test)
+    return gsm8k_task(data_path, eval_data_path, num_test)

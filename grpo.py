@@ -1,0 +1,345 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+For each prompt x, sample a group of G completions y_1..y_G from pi_old, score them with the task
+reward R_i, and use the group as the baseline (no critic):
+
+    A_i = (R_i - mean(R_1..R_G)) / (std(R_1..R_G) + 1e-4)                     (same A_i for every token)
+
+    J(theta) = E[ agg_{i,t} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) - beta * KL_k3(pi_theta || pi_ref) ]
+
+    r_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)
+
+`agg` is --loss-agg (seq-mean-token-mean in the paper; token-mean is DAPO's; seq-mean-token-sum-norm
+with --scale-rewards none is Dr. GRPO). --eps-high 0.28 is DAPO's clip-higher.
+
+Why the clip fraction is zero: with --num-iterations 1 the batch gets one optimiser step, taken at
+the weights that sampled it, so pi_theta == pi_old, r == 1 and clipping never binds. It binds from
+the second pass over a batch on (--num-iterations 2 or more); the logged policy/ratio_* and
+policy/clip_frac_* show it.
+
+Run:
+    python grpo.py                                        # the embedded job: offline, about a minute on 2 CPU cores
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --max-new-tokens 256 --lr 1e-6
+    accelerate launch --num_processes 2 grpo.py ...       # prompts sharded, gradients averaged
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from common.checkpoint import GracefulStop, find_checkpoint, load_state, run_dir_of, save_checkpoint
+from common.cli import check, run
+from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.rollout import evaluate, rollout, token_logprobs
+from common.tasks import load_task
+
+
+@dataclass
+class Args:
+    # ---------------------------------------------------------------- experiment
+    seed: int = 0
+    """seed of the prompt order, the sampling noise and the model's initial state"""
+    run_name: str | None = None
+    """name of the run directory under --output-dir (default: grpo__<task>__s<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """where runs are written: <output-dir>/<run-name>/{args.json, metrics.jsonl, checkpoints/}"""
+    resume: str | None = None
+    """resume from a run directory (its latest checkpoint) or a checkpoint directory; other flags must match the run"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: what accelerate picks (a GPU if there is one)"""
+    # ---------------------------------------------------------------- model and task
+    model: str = "embedded"
+    """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
+    task: str = "reverse"
+    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    data_path: str | None = None
+    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    eval_data_path: str | None = None
+    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the models are loaded in"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with a hub model"""
+    # ---------------------------------------------------------------- rollout
+    steps: int = 100
+    """optimisation steps; each samples a fresh batch of prompts"""
+    prompts_per_step: int = 32
+    """prompts per step (global, over all processes)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (a group)"""
+    max_new_tokens: int | None = None
+    """completion budget (default: the task's)"""
+    temperature: float = 1.0
+    """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    # ---------------------------------------------------------------- algorithm
+    lr: float = 1e-3
+    """AdamW learning rate (1e-3 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
+    num_iterations: int = 1
+    """mu in the paper: optimisation passes over each batch, pi_old fixed; > 1 makes clipping bind"""
+    minibatches: int = 1
+    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    eps_low: float = 0.2
+    """lower clip range: ratios below 1 - eps_low are clipped when A < 0"""
+    eps_high: float = 0.2
+    """upper clip range: ratios above 1 + eps_high are clipped when A > 0 (DAPO clip-higher: 0.28)"""
+    beta: float = 0.04
+    """KL coefficient against the reference model; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of KL(pi_theta || pi_ref) per token (k3 in the paper)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    # ---------------------------------------------------------------- evaluation and logging
+    eval_every: int = 10
+    """evaluate every this many steps (and at step 0, the base policy, and at the last step); 0: only at the ends"""
+    eval_samples: int = 8
+    """n: samples per held-out prompt for pass@k"""
+    eval_k: int = 8
+    """k of eval/pass@k (k <= n)"""
+    eval_prompts: int = 128
+    """number of held-out prompts"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end, and on Ctrl-C)"""
+    track: bool = False
+    """log to Weights & Biases (pip install -e '.[track]')"""
+    wandb_project: str = "postrl"
+    """W&B project"""
+
+
+# Flags that may differ between a run and its resumption.
+RESUMABLE = {"resume", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+
+
+def check_args(args: Args, num_processes: int) -> None:
+    check(args.num_generations >= 2, f"--num-generations must be at least 2 (got {args.num_generations}): "
+                                     "a group needs two completions to have a baseline")
+    check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
+    check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
+    check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
+    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
+    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
+    check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
+    check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
+          f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the number of processes ({num_processes})")
+    local_rows = args.prompts_per_step // num_processes * args.num_generations
+    check(1 <= args.minibatches <= local_rows,
+          f"--minibatches must be in [1, {local_rows}] (the completions per process per step), got {args.minibatches}")
+    check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
+    check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
+          "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
+    check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
+    check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
+
+
+def check_resume(args: Args, run_dir: Path) -> None:
+    saved = json.loads((run_dir / "args.json").read_text())
+    for key, value in asdict(args).items():
+        check(key in RESUMABLE or saved.get(key) == value,
+              f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
+
+
+# ---------------------------------------------------------------- the GRPO objective
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens):
+    """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts."""
+    ratio = torch.exp(logps - old_logps)  # r_it; == 1 on the first pass over a batch
+    A = advantages[:, None]
+    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
+    per_token = -surrogate
+    if ref_logps is not None:
+        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
+    loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
+        m = mask.bool()
+        log_old_over_new = old_logps - logps
+        stats = {
+            "ratio": ratio[m].sum(),
+            "clip_low": ((ratio < 1 - args.eps_low) & (A < 0))[m].sum(),  # the clip binds from below
+            "clip_high": ((ratio > 1 + args.eps_high) & (A > 0))[m].sum(),  # the clip binds from above
+            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
+        }
+    return loss, stats
+
+
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args):
+    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
+    mask = batch.completion_mask
+    num_seqs = mask.shape[0] * accelerator.num_processes  # counts of the global batch
+    num_tokens = accelerator.reduce(mask.sum().float(), "sum")
+    chunks = torch.arange(mask.shape[0]).chunk(args.minibatches)
+    old_logps, ref_logps, entropy_sum = {}, {}, 0.0
+    totals, grad_norms = {}, []
+    for iteration in range(args.num_iterations):
+        for j, rows in enumerate(chunks):
+            logps, entropy = token_logprobs(policy, batch.prompt_ids[rows], batch.prompt_mask[rows],
+                                            batch.completion_ids[rows], mask[rows], args.temperature,
+                                            with_entropy=iteration == 0)
+            if iteration == 0:
+                old_logps[j] = logps.detach()
+                entropy_sum += (entropy.detach() * mask[rows]).sum()
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logps[j], _ = token_logprobs(ref, batch.prompt_ids[rows], batch.prompt_mask[rows],
+                                                         batch.completion_ids[rows], mask[rows], args.temperature)
+            loss, stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
+                                    num_seqs, num_tokens)
+            # DDP averages gradients over processes; the loss is already a share of the global sum
+            last = j == len(chunks) - 1
+            with nullcontext() if last else accelerator.no_sync(policy):
+                accelerator.backward(loss * accelerator.num_processes)
+            for key, value in stats.items():
+                reduce = {"ratio_min": torch.minimum, "ratio_max": torch.maximum}.get(key, torch.add)
+                totals[key] = value if key not in totals else reduce(totals[key], value)
+            totals["loss"] = totals.get("loss", 0.0) + loss.detach()
+        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    extremes = {"ratio_min": totals.pop("ratio_min"), "ratio_max": totals.pop("ratio_max")}
+    total = {k: accelerator.reduce(torch.as_tensor(v, dtype=torch.float32), "sum") for k, v in totals.items()}
+    total["ratio_min"] = accelerator.gather(extremes["ratio_min"].reshape(1)).min()
+    total["ratio_max"] = accelerator.gather(extremes["ratio_max"].reshape(1)).max()
+    token_passes = num_tokens * args.num_iterations
+    metrics = {
+        "loss": total["loss"].item() / args.num_iterations,
+        "policy/entropy": (accelerator.reduce(torch.as_tensor(entropy_sum), "sum") / num_tokens).item(),
+        "policy/ratio_mean": (total["ratio"] / token_passes).item(),
+        "policy/ratio_min": total["ratio_min"].item(),
+        "policy/ratio_max": total["ratio_max"].item(),
+        "policy/clip_frac_low": (total["clip_low"] / token_passes).item(),
+        "policy/clip_frac_high": (total["clip_high"] / token_passes).item(),
+        "policy/approx_kl": (total["approx_kl"] / token_passes).item(),
+        "policy/grad_norm": torch.stack(grad_norms).mean().item(),
+    }
+    if ref is not None:  # KL to the reference at the sampling weights, with the chosen estimator
+        kl = sum((kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+                 for j, rows in enumerate(chunks))
+        metrics["policy/kl_ref"] = (accelerator.reduce(torch.as_tensor(kl), "sum") / num_tokens).item()
+    return metrics
+
+
+def main(args: Args) -> None:
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check_args(args, accelerator.num_processes)
+    # Everything that can be wrong with the input is found before a model is built.
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts)
+    model_path = resolve_model(args.model, args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        check_resume(args, run_dir_of(checkpoint))
+    run_name = args.run_name or f"grpo__{args.task}__s{args.seed}__{int(time.time())}"
+    run_dir = run_dir_of(checkpoint) if checkpoint else Path(args.output_dir) / run_name
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(model_path, args.trust_remote_code)
+    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code)
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
+    eos_ids = eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    start = load_state(checkpoint, optimizer)["step"] + 1 if checkpoint else 0
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    P = args.prompts_per_step // world  # prompts of this process
+    G = args.num_generations
+    writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1) if accelerator.is_main_process else None
+
+    def eval_now(step: int) -> dict:
+        return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world)
+
+    stop = GracefulStop()
+    bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
+    for step in range(start, args.steps + 1):
+        if step == 0:  # the base policy: every curve starts here
+            if writer:
+                writer.log(0, eval_now(0))
+            else:
+                eval_now(0)
+            continue
+        # ---- 1. sample prompts: step t's prompts depend only on (seed, t), so resume and sharding see the same ones
+        t0 = time.perf_counter()
+        chosen = np.random.default_rng([args.seed, step]).choice(len(task.train), args.prompts_per_step, replace=False)
+        local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
+        rows = task.train.select(chosen[local].tolist())
+        prompts = [p for p in rows["prompt"] for _ in range(G)]
+        answers = [a for a in rows["answer"] for _ in range(G)]
+        # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
+        keys = [(args.seed, step, i, g) for i in local for g in range(G)]
+        batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
+                        args.temperature, eos_ids, device)
+        # ---- 3. score, 4. group-relative advantages over the global batch
+        rewards = accelerator.gather(torch.tensor(task.reward(batch.texts, answers), device=device))
+        advantages = group_advantages(rewards, G, args.scale_rewards)[rank * P * G : (rank + 1) * P * G]
+        rollout_s = time.perf_counter() - t0
+        # ---- 5. optimise
+        t0 = time.perf_counter()
+        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args)
+        train_s = time.perf_counter() - t0
+        # ---- 6. log
+        lengths = accelerator.gather(batch.completion_mask.sum(-1).float())
+        finished = accelerator.gather(batch.finished.float())
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "accuracy/train": (rewards >= 1.0).float().mean().item(),
+            "frac_reward_zero_std": frac_zero_std(rewards, G),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_frac": 1.0 - finished.mean().item(),
+            "time/rollout_s": rollout_s,
+            "time/train_s": train_s,
+            "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
+            "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
+        })
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_now(step))
+        if writer:
+            writer.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({"pass@1": f"{metrics['eval/pass@1']:.2f}"} if "eval/pass@1" in metrics else {}))
+        # ---- 7. checkpoint (all processes agree on a stop request)
+        stopping = accelerator.reduce(torch.tensor(float(stop.requested), device=device), "sum").item() > 0
+        if step % args.save_every == 0 or step == args.steps or stopping:
+            if accelerator.is_main_process:
+                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer)
+            accelerator.wait_for_everyone()
+        if stopping:
+            bar.close()
+            print(f"stopped at step {step}; resume with --resume {run_dir}", file=sys.stderr)
+            sys.exit(130)
+    bar.close()
+    stop.restore()
+    if writer:
+        writer.close()
+        print(f"run: {run_dir}")
+        for row in read_metrics(run_dir):
+            if row["step"] in (0, args.steps):
+                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
+                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+
+if __name__ == "__main__":
+    run(main, tyro.cli(Args))

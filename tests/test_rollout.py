@@ -1,0 +1,89 @@
+"""Sampling and scoring: masks, log-probs, reproducible noise, pass@k."""
+
+import math
+
+import pytest
+import torch
+
+from common.rollout import completion_mask, encode_prompts, pass_at_k, rollout, row_uniforms, sample, token_logprobs
+
+PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
+
+
+def test_completion_mask_keeps_tokens_up_to_and_including_the_first_eos():
+    eos, pad = 2, 0
+    ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, 8], [5, 6, 7, 8, 9]])
+    mask, finished = completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert finished.tolist() == [True, True, False]
+
+
+def test_completion_mask_with_several_eos_ids():
+    mask, finished = completion_mask(torch.tensor([[5, 9, 4], [5, 6, 7]]), [2, 9])
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1]] and finished.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_recorded_at_sampling_equal_the_training_forward(tiny_model, tokenizer, temperature):
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    keys = [(0, 1, i) for i in range(len(prompts))]
+    out = rollout(tiny_model, tokenizer, prompts, keys, 12, temperature, [tokenizer.eos_token_id], "cpu")
+    with torch.no_grad():
+        logps, _ = token_logprobs(tiny_model, out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                  out.completion_mask, temperature)
+    m = out.completion_mask.bool()
+    assert (out.prompt_mask == 0).any(), "the test must cover left padding"
+    assert torch.allclose(logps[m], out.logprobs[m], atol=1e-5)
+    assert torch.all(out.logprobs[~m] == 0)
+
+
+def test_greedy_sampling_matches_transformers_generate(tiny_model, tokenizer):
+    ids, mask = encode_prompts(tokenizer, PROMPTS, "cpu")
+    ours, _ = sample(tiny_model, ids, mask, 10, 0.0, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    theirs = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    theirs = theirs[:, ids.shape[1]:]
+    n = min(ours.shape[1], theirs.shape[1])
+    m, _ = completion_mask(ours, [tokenizer.eos_token_id])
+    assert torch.equal(ours[:, :n] * m[:, :n], theirs[:, :n] * m[:, :n])
+
+
+def test_a_completion_depends_on_its_key_not_on_its_batch(tiny_model, tokenizer):
+    """The same (prompt, key) gives the same completion alone, in a batch, or in another order."""
+    eos = [tokenizer.eos_token_id]
+    batch = rollout(tiny_model, tokenizer, PROMPTS, [(7, i) for i in range(4)], 12, 1.0, eos, "cpu")
+    alone = rollout(tiny_model, tokenizer, PROMPTS[2:3], [(7, 2)], 12, 1.0, eos, "cpu")
+    reversed_ = rollout(tiny_model, tokenizer, PROMPTS[::-1], [(7, i) for i in range(4)][::-1], 12, 1.0, eos, "cpu")
+    assert alone.texts[0] == batch.texts[2]
+    assert reversed_.texts[::-1] == batch.texts
+    other_key = rollout(tiny_model, tokenizer, PROMPTS, [(8, i) for i in range(4)], 12, 1.0, eos, "cpu")
+    assert other_key.texts != batch.texts
+
+
+def test_inverse_cdf_sampling_follows_the_softmax(tiny_model, tokenizer):
+    """First-token frequencies over 4000 keys match softmax(logits / T) (chi-square, fixed keys)."""
+    n, T = 4000, 1.5
+    ids, mask = encode_prompts(tokenizer, ["12>"] * n, "cpu")
+    with torch.no_grad():
+        probs = torch.softmax(tiny_model(input_ids=ids[:1]).logits[0, -1] / T, -1)
+    tokens, _ = sample(tiny_model, ids, mask, 1, T, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                       row_uniforms([(3, i) for i in range(n)], 1, "cpu"))
+    counts = torch.bincount(tokens[:, 0], minlength=len(probs)).float()
+    expected = probs * n
+    keep = expected > 5
+    chi2 = (((counts - expected) ** 2 / expected)[keep]).sum().item()
+    dof = keep.sum().item() - 1
+    assert chi2 < dof + 4 * math.sqrt(2 * dof)  # about 4 standard deviations of a chi-square
+
+
+def test_row_uniforms_are_reproducible_and_in_range():
+    a = row_uniforms([(0, 1, 2), (0, 1, 3)], 5, "cpu")
+    assert torch.equal(a, row_uniforms([(0, 1, 2), (0, 1, 3)], 5, "cpu"))
+    assert not torch.equal(a[0], a[1]) and ((a >= 0) & (a < 1)).all()
+
+
+def test_pass_at_k_unbiased_estimator():
+    assert pass_at_k(8, 2, 1) == pytest.approx(2 / 8)
+    assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0
+    assert pass_at_k(10, 3, 2) == pytest.approx(1 - math.comb(7, 2) / math.comb(10, 2))
+    assert pass_at_k(5, 4, 2) == 1.0  # fewer than k failures: some k-subset always passes

@@ -1,0 +1,102 @@
+"""Tasks and rewards: GSM8K answer extraction, data-file checks, the embedded tasks."""
+
+import json
+from decimal import Decimal
+
+import pytest
+
+from common.cli import ConfigError
+from common.tasks import (digit_match_reward, exact_match_reward, extract_number, gsm8k_reward, load_task)
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A pen costs $1,250 and a cap $250. Total?", "answer": "1250 + 250 = 1500\n#### 1,500"},
+    {"question": "Half of 7?", "answer": "#### 3.5"},
+    {"question": "Temperature drops from 2 by 5?", "answer": "#### -3"},
+]
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("so the answer is #### 42", "#### 42", 1.0),
+    ("#### 42.", "42", 1.0),                               # trailing full stop
+    ("the total is 1,234 dollars", "#### 1234", 1.0),     # comma in thousands, last number
+    ("#### $1,234,567", "1234567", 1.0),                  # dollar sign and two commas
+    ("she pays 3.50", "#### 3.5", 1.0),                   # 3.50 == 3.5
+    ("#### -7", "#### -7", 1.0),                          # sign
+    ("#### 7", "#### -7", 0.0),
+    ("first 12, then 5 #### 12 and 99", "12", 1.0),       # the number right after the last ####
+    ("12 apples, then 5 more", "#### 12", 0.0),           # no ####: the last number counts
+    ("no number at all", "#### 3", 0.0),
+    ("#### 0.5", ".5", 1.0),
+    ("#### 41.99", "#### 42", 0.0),
+])
+def test_gsm8k_reward_on_tricky_answers(completion, answer, reward):
+    assert gsm8k_reward([completion], [answer]) == [reward]
+
+
+def test_extract_number_prefers_the_final_answer_marker():
+    assert extract_number("3 + 4 = 7\n#### 7") == Decimal(7)
+    assert extract_number("nothing") is None
+
+
+def test_exact_match_and_digit_match_rewards():
+    assert exact_match_reward(["321", " 321 ", "32"], ["321"] * 3) == [1.0, 1.0, 0.0]
+    # digits aligned on the units: "135" vs "132" -> 2 of 3; "32" vs "132" -> 2 of 3; "1132" vs "132" -> 3 of 4
+    assert digit_match_reward(["135", "32", "1132", "132", ""], ["132"] * 5) == pytest.approx([2 / 3, 2 / 3, 3 / 4, 1.0, 0.0])
+
+
+def write(tmp_path, name, rows, jsonl=True):
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(r) for r in rows) if jsonl else json.dumps(rows))
+    return str(path)
+
+
+def test_gsm8k_from_a_local_jsonl_file_holds_out_the_last_rows(tmp_path):
+    task = load_task("gsm8k", write(tmp_path, "g.jsonl", GSM8K_ROWS), num_test=2)
+    assert len(task.train) == 2 and len(task.test) == 2
+    assert task.train[0]["prompt"].startswith("Tom has 3 apples") and task.train[0]["answer"] == "7"
+    assert task.train[1]["answer"] == "1500"
+    assert task.reward(["... #### 3.50"], [task.test[0]["answer"]]) == [1.0]
+
+
+def test_gsm8k_from_a_json_file_with_a_separate_eval_file(tmp_path):
+    train = write(tmp_path, "train.json", GSM8K_ROWS, jsonl=False)
+    test = write(tmp_path, "test.json", GSM8K_ROWS[:1], jsonl=False)
+    task = load_task("gsm8k", train, test)
+    assert len(task.train) == 4 and len(task.test) == 1
+
+
+@pytest.mark.parametrize("bad_row, message", [
+    ({"answer": "#### 3"}, "row 2: needs a non-empty string field 'question'"),
+    ({"question": "Q?"}, "row 2: field 'answer' must contain a final number"),
+    ({"question": "Q?", "answer": "no number"}, "row 2: field 'answer' must contain a final number"),
+    ("just a string", "row 2: expected an object"),
+])
+def test_a_bad_row_is_named(tmp_path, bad_row, message):
+    rows = GSM8K_ROWS[:2] + [bad_row] + GSM8K_ROWS[2:]
+    with pytest.raises(ConfigError, match=message):
+        load_task("gsm8k", write(tmp_path, "bad.jsonl", rows))
+
+
+def test_broken_json_line_is_named(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GSM8K_ROWS[0]) + "\n{not json\n")
+    with pytest.raises(ConfigError, match="line 2: not valid JSON"):
+        load_task("gsm8k", str(path))
+
+
+def test_unknown_task_and_missing_file_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="--task 'sort' is not one of"):
+        load_task("sort")
+    with pytest.raises(ConfigError, match="--data-path .*no such file"):
+        load_task("gsm8k", str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="only used with --task gsm8k"):
+        load_task("reverse", str(tmp_path / "x.jsonl"))
+
+
+@pytest.mark.parametrize("name", ["reverse", "add"])
+def test_embedded_tasks_are_fixed_and_held_out(name):
+    a, b = load_task(name), load_task(name)
+    assert a.test["prompt"] == b.test["prompt"] and a.train["prompt"][:50] == b.train["prompt"][:50]
+    assert not set(a.test["prompt"]) & set(a.train["prompt"])
+    assert a.reward(a.test["answer"][:5], a.test["answer"][:5]) == [1.0] * 5

@@ -1,0 +1,215 @@
+"""grpo.py: the objective on hand-made inputs, and the script end to end on the embedded job."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import ROOT, run_script, state_dicts_equal, without_timing
+
+import grpo
+from common.cli import ConfigError
+from common.losses import aggregate, group_advantages
+from common.logging import read_metrics
+from common.rollout import rollout, token_logprobs
+
+SMALL = dict(prompts_per_step=8, num_generations=4, eval_prompts=16, eval_samples=4, eval_k=2, eval_every=2, device="cpu")
+
+
+def small_args(tmp_path, **overrides) -> grpo.Args:
+    return grpo.Args(output_dir=str(tmp_path), run_name="run", **{**SMALL, **overrides})
+
+
+def latest_weights(run_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sorted((run_dir / "checkpoints").glob("step_*"))[-1])
+
+
+# ---------------------------------------------------------------- the objective
+def test_clipped_surrogate_on_hand_made_ratios():
+    args = grpo.Args(eps_low=0.2, eps_high=0.28, beta=0.0, loss_agg="token-mean", max_new_tokens=4)
+    old = torch.zeros(1, 4)
+    logps = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.9]]))  # ratios, since old log-probs are 0
+    mask = torch.ones(1, 4)
+    loss, stats = grpo.grpo_loss(logps, old, None, torch.tensor([1.0]), mask, args, 1, 4)
+    # A = +1: min(r, clip(r)) = 1.28, 0.5, 1.1, 0.9 -> loss = -mean
+    assert loss.item() == pytest.approx(-(1.28 + 0.5 + 1.1 + 0.9) / 4)
+    assert stats["clip_high"].item() == 1 and stats["clip_low"].item() == 0
+    loss, stats = grpo.grpo_loss(logps, old, None, torch.tensor([-1.0]), mask, args, 1, 4)
+    # A = -1: min(-r, -clip(r)) = -1.5, -0.8, -1.1, -0.9 -> loss = mean of r-ish terms
+    assert loss.item() == pytest.approx((1.5 + 0.8 + 1.1 + 0.9) / 4)
+    assert stats["clip_low"].item() == 1 and stats["clip_high"].item() == 0
+
+
+def test_kl_term_adds_beta_times_k3():
+    args = grpo.Args(beta=0.5, loss_agg="token-mean", max_new_tokens=1)
+    logps, ref = torch.log(torch.tensor([[0.5]])), torch.log(torch.tensor([[0.25]]))
+    loss, _ = grpo.grpo_loss(logps, logps, ref, torch.tensor([0.0]), torch.ones(1, 1), args, 1, 1)
+    assert loss.item() == pytest.approx(0.5 * (0.5 - torch.log(torch.tensor(0.5)).item() - 1))
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"])
+def test_grpo_gradient_at_ratio_one_without_kl_is_reinforce_with_a_group_baseline(tiny_model, tokenizer, loss_agg):
+    """At pi_theta == pi_old and beta = 0, grad of the clipped objective = grad of agg(A_i log pi(y_it))."""
+    prompts = [p for p in ["12>", "345>"] for _ in range(4)]
+    batch = rollout(tiny_model, tokenizer, prompts, [(0, i) for i in range(8)], 6, 1.0, [tokenizer.eos_token_id], "cpu")
+    advantages = group_advantages(torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1]), 4)
+    args = grpo.Args(beta=0.0, loss_agg=loss_agg, max_new_tokens=6)
+    params = [p for p in tiny_model.parameters()]
+
+    def grad_of(loss_fn):
+        logps, _ = token_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                  batch.completion_mask, 1.0)
+        return torch.autograd.grad(loss_fn(logps), params)
+
+    grpo_grad = grad_of(lambda lp: grpo.grpo_loss(lp, lp.detach(), None, advantages, batch.completion_mask, args, 8, None)[0])
+    reinforce = grad_of(lambda lp: -aggregate(advantages[:, None] * lp, batch.completion_mask, loss_agg, max_len=6))
+    for a, b in zip(grpo_grad, reinforce):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in grpo_grad)
+
+
+# ---------------------------------------------------------------- bad input
+BAD_INPUT = [
+    (dict(num_generations=1), "--num-generations must be at least 2"),
+    (dict(beta=-0.1), "--beta must be >= 0"),
+    (dict(task="sort"), "--task 'sort' is not one of"),
+    (dict(task="gsm8k", data_path="missing.jsonl"), "--data-path missing.jsonl: no such file"),
+    (dict(eps_low=1.0), "--eps-low must be in \\(0, 1\\)"),
+    (dict(eps_low=0.0), "--eps-low must be in \\(0, 1\\)"),
+    (dict(prompts_per_step=0), "--prompts-per-step"),
+    (dict(eval_k=16, eval_samples=8), "--eval-k must be in"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_INPUT)
+def test_bad_input_is_refused_before_any_model_is_built(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match=message):
+        grpo.main(small_args(tmp_path, **overrides))
+
+
+def test_a_data_file_without_the_needed_fields_names_the_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "result": 4}\n')
+    with pytest.raises(ConfigError, match=r"data.jsonl row 1: field 'answer'"):
+        grpo.main(small_args(tmp_path, task="gsm8k", model="unused", data_path=str(path)))
+
+
+def test_command_line_error_is_one_line_and_exits_2():
+    for flags, message in ((["--num-generations", "1"], "--num-generations must be at least 2"),
+                           (["--beta", "-0.5"], "--beta must be >= 0")):
+        out = run_script(sys.executable, "grpo.py", *flags, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and message in lines[0], out.stderr
+
+
+# ---------------------------------------------------------------- the script end to end
+def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint(tmp_path):
+    grpo.main(small_args(tmp_path, steps=2))
+    run_dir = tmp_path / "run"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@k", "eval/greedy", "eval/reward_mean"}
+    for key in ("reward/mean", "reward/std", "accuracy/train", "frac_reward_zero_std", "completions/mean_length",
+                "completions/clipped_frac", "policy/entropy", "policy/approx_kl", "policy/clip_frac_low",
+                "policy/clip_frac_high", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",
+                "policy/kl_ref", "policy/grad_norm", "time/rollout_s", "time/train_s",
+                "throughput/tokens_per_s", "throughput/samples_per_s", "eval/pass@1"):
+        assert key in rows[2], key
+    assert json.loads((run_dir / "args.json").read_text())["max_new_tokens"] == 8
+    assert latest_weights(run_dir).num_parameters() > 0
+    assert torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_first_on_policy_step_has_ratio_one_and_no_clipping(tmp_path):
+    grpo.main(small_args(tmp_path, steps=1, num_iterations=1))
+    first = read_metrics(tmp_path / "run")[1]
+    assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["policy/ratio_min"] == pytest.approx(1.0, abs=1e-6) and first["policy/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+    assert first["policy/clip_frac_low"] == 0.0 and first["policy/clip_frac_high"] == 0.0
+    assert first["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_several_passes_over_a_batch_make_clipping_bind(tmp_path):
+    grpo.main(small_args(tmp_path, steps=2, num_iterations=2, prompts_per_step=16, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert all(r["policy/clip_frac_low"] + r["policy/clip_frac_high"] > 0 for r in rows)
+    assert all(r["policy/ratio_max"] > 1.0 for r in rows)
+
+
+def test_minibatches_accumulate_to_the_same_update(tmp_path):
+    """Adam's first step moves every weight by about lr = 1e-3; split and unsplit agree to 1 % of that."""
+    grpo.main(small_args(tmp_path / "a", steps=1, minibatches=1, eval_every=0))
+    grpo.main(small_args(tmp_path / "b", steps=1, minibatches=4, eval_every=0))
+    (a,), (b,) = read_metrics(tmp_path / "a" / "run")[1:], read_metrics(tmp_path / "b" / "run")[1:]
+    assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-5)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+    assert state_dicts_equal(latest_weights(tmp_path / "a" / "run"), latest_weights(tmp_path / "b" / "run"), atol=1e-5)
+
+
+def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
+    grpo.main(small_args(tmp_path / "full", steps=4, save_every=2))
+    grpo.main(small_args(tmp_path / "cut", steps=2, save_every=2))
+    (tmp_path / "cut" / "run" / "metrics.jsonl").open("a").write('{"step": 3, "logged": "after the checkpoint"}\n')
+    grpo.main(small_args(tmp_path / "cut", steps=4, save_every=2, resume=str(tmp_path / "cut" / "run")))
+    full, resumed = tmp_path / "full" / "run", tmp_path / "cut" / "run"
+    assert without_timing(read_metrics(resumed)) == without_timing(read_metrics(full))
+    assert state_dicts_equal(latest_weights(resumed), latest_weights(full))
+
+
+def test_resume_refuses_a_changed_algorithm_flag(tmp_path):
+    grpo.main(small_args(tmp_path, steps=1))
+    with pytest.raises(ConfigError, match="--lr is 0.5 but the run being resumed used 0.001"):
+        grpo.main(small_args(tmp_path, steps=2, lr=0.5, resume=str(tmp_path / "run")))
+
+
+def test_ctrl_c_checkpoints_the_last_completed_step_and_exits_non_zero(tmp_path):
+    proc = subprocess.Popen([sys.executable, "grpo.py", "--steps", "500", "--save-every", "1000", "--eval-every", "0",
+                             "--output-dir", str(tmp_path), "--run-name", "run", "--prompts-per-step", "8"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    last_step = read_metrics(tmp_path / "run")[-1]["step"]
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert [c.name for c in checkpoints] == [f"step_{last_step:06d}"]
+    assert latest_weights(tmp_path / "run").num_parameters() > 0
+    assert "resume with --resume" in stderr
+
+
+def test_two_processes_give_the_same_run_as_one(tmp_path):
+    """accelerate launch --num_processes 2: prompts sharded, gradients averaged, losses normalised by
+    global counts, so the metrics and weights after two steps match a single-process run."""
+    flags = ["--steps", "2", "--prompts-per-step", "8", "--num-generations", "4", "--eval-prompts", "16",
+             "--eval-samples", "4", "--eval-k", "2", "--eval-every", "1", "--loss-agg", "token-mean", "--device", "cpu"]
+    out = run_script(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                     "grpo.py", *flags, "--output-dir", str(tmp_path / "two"), "--run-name", "run", timeout=600,
+                     env_extra={"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    grpo.main(small_args(tmp_path / "one", steps=2, eval_every=1, loss_agg="token-mean"))
+    one, two = read_metrics(tmp_path / "one" / "run"), read_metrics(tmp_path / "two" / "run")
+    for a, b in zip(without_timing(one), without_timing(two)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert state_dicts_equal(latest_weights(tmp_path / "one" / "run"), latest_weights(tmp_path / "two" / "run"), atol=1e-4)
+
+
+def test_grpo_learns_the_embedded_task(tmp_path):
+    """A smaller budget than the default run (which reaches pass@1 >= 0.8 in 100 steps)."""
+    grpo.main(replace(grpo.Args(output_dir=str(tmp_path), run_name="run", device="cpu"), steps=30, eval_every=0, eval_prompts=64))
+    rows = read_metrics(tmp_path / "run")
+    base, final = rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"]
+    assert final >= 2 * base and final >= 0.5, (base, final)

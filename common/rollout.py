@@ -65,8 +65,9 @@ def _forward(model, input_ids, attention_mask, position_ids, cache=None, logits_
     if logits_to_keep is not None and "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_to_keep
     out = model(**kwargs)
-    cache = getattr(out, "cache", None)
-    return out.logits, cache if cache is not None else getattr(out, "past_key_values", None)
+    if not use_cache:
+        return out.logits, None
+    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
 @torch.no_grad()

@@ -208,7 +208,7 @@ def test_two_processes_give_the_same_run_as_one(tmp_path):
 
 
 def test_grpo_learns_the_embedded_task(tmp_path):
-    """A smaller budget than the default run (which reaches pass@1 >= 0.8 in 100 steps)."""
+    """A smaller budget than the default run (200 steps, which ends near pass@1 0.88 from 0.15)."""
     grpo.main(replace(grpo.Args(output_dir=str(tmp_path), run_name="run", device="cpu"), steps=30, eval_every=0, eval_prompts=64))
     rows = read_metrics(tmp_path / "run")
     base, final = rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"]

@@ -183,61 +183,56 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     return loss, stats
 
 
-def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args):
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
     pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
     mask = batch.completion_mask
     num_seqs = mask.shape[0] * accelerator.num_processes  # counts of the global batch
     num_tokens = accelerator.reduce(mask.sum().float(), "sum")
-    chunks = torch.arange(mask.shape[0]).chunk(args.minibatches)
-    old_logps, ref_logps, entropy_sum = {}, {}, 0.0
-    totals, grad_norms = {}, []
+    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
+    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
         for j, rows in enumerate(chunks):
-            logps, entropy = token_logprobs(policy, batch.prompt_ids[rows], batch.prompt_mask[rows],
-                                            batch.completion_ids[rows], mask[rows], args.temperature,
-                                            with_entropy=iteration == 0)
-            if iteration == 0:
+            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
+            if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
                 old_logps[j] = logps.detach()
-                entropy_sum += (entropy.detach() * mask[rows]).sum()
+                entropy += (token_entropy.detach() * mask[rows]).sum()
                 if ref is not None:
                     with torch.no_grad():
-                        ref_logps[j], _ = token_logprobs(ref, batch.prompt_ids[rows], batch.prompt_mask[rows],
-                                                         batch.completion_ids[rows], mask[rows], args.temperature)
-            loss, stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
-                                    num_seqs, num_tokens)
-            # DDP averages gradients over processes; the loss is already a share of the global sum
-            last = j == len(chunks) - 1
-            with nullcontext() if last else accelerator.no_sync(policy):
+                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
+                                         num_seqs, num_tokens)
+            # DDP averages gradients over processes; the loss is already this process's share of the global sum
+            with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
-            for key, value in stats.items():
-                reduce = {"ratio_min": torch.minimum, "ratio_max": torch.maximum}.get(key, torch.add)
-                totals[key] = value if key not in totals else reduce(totals[key], value)
-            totals["loss"] = totals.get("loss", 0.0) + loss.detach()
+            stats.append({**step_stats, "loss": loss.detach()})
         grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
         optimizer.step()
         optimizer.zero_grad()
 
-    extremes = {"ratio_min": totals.pop("ratio_min"), "ratio_max": totals.pop("ratio_max")}
-    total = {k: accelerator.reduce(torch.as_tensor(v, dtype=torch.float32), "sum") for k, v in totals.items()}
-    total["ratio_min"] = accelerator.gather(extremes["ratio_min"].reshape(1)).min()
-    total["ratio_max"] = accelerator.gather(extremes["ratio_max"].reshape(1)).max()
-    token_passes = num_tokens * args.num_iterations
+    def total(values) -> float:  # summed over micro-batches, passes and processes
+        return accelerator.reduce(torch.as_tensor(sum(values), dtype=torch.float32), "sum").item()
+
+    def extreme(key: str, fn) -> float:
+        return fn(accelerator.gather(fn(torch.stack([s[key] for s in stats])).reshape(1))).item()
+
+    token_passes = num_tokens.item() * args.num_iterations
     metrics = {
-        "loss": total["loss"].item() / args.num_iterations,
-        "policy/entropy": (accelerator.reduce(torch.as_tensor(entropy_sum), "sum") / num_tokens).item(),
-        "policy/ratio_mean": (total["ratio"] / token_passes).item(),
-        "policy/ratio_min": total["ratio_min"].item(),
-        "policy/ratio_max": total["ratio_max"].item(),
-        "policy/clip_frac_low": (total["clip_low"] / token_passes).item(),
-        "policy/clip_frac_high": (total["clip_high"] / token_passes).item(),
-        "policy/approx_kl": (total["approx_kl"] / token_passes).item(),
+        "loss": total(s["loss"] for s in stats) / args.num_iterations,
+        "policy/entropy": total([entropy]) / num_tokens.item(),
+        "policy/ratio_mean": total(s["ratio"] for s in stats) / token_passes,
+        "policy/ratio_min": extreme("ratio_min", torch.min),
+        "policy/ratio_max": extreme("ratio_max", torch.max),
+        "policy/clip_frac_low": total(s["clip_low"] for s in stats) / token_passes,
+        "policy/clip_frac_high": total(s["clip_high"] for s in stats) / token_passes,
+        "policy/approx_kl": total(s["approx_kl"] for s in stats) / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
     }
-    if ref is not None:  # KL to the reference at the sampling weights, with the chosen estimator
-        kl = sum((kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
-                 for j, rows in enumerate(chunks))
-        metrics["policy/kl_ref"] = (accelerator.reduce(torch.as_tensor(kl), "sum") / num_tokens).item()
+    if ref is not None:
+        metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
     return metrics
 
 

@@ -12,6 +12,9 @@ sys.path.insert(0, str(ROOT))
 from common.embedded import tiny_llama_config  # noqa: E402
 from common.models import char_tokenizer  # noqa: E402
 
+# A chat template over the character vocabulary, for the chat-model code path.
+CHAT_TEMPLATE = "{% for m in messages %}q: {{ m['content'] }} {% endfor %}a: "
+
 # Keys whose values depend on the wall clock, not on the computation.
 TIMING_KEYS = ("time/", "throughput/")
 

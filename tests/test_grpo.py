@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import ROOT, run_script, state_dicts_equal, without_timing
+from conftest import CHAT_TEMPLATE, ROOT, run_script, state_dicts_equal, without_timing
 
 import grpo
 from common.cli import ConfigError
@@ -167,7 +167,7 @@ def test_resumed_run_ends_like_an_uninterrupted_one(tmp_path):
 
 def test_resume_refuses_a_changed_algorithm_flag(tmp_path):
     grpo.main(small_args(tmp_path, steps=1))
-    with pytest.raises(ConfigError, match="--lr is 0.5 but the run being resumed used 0.001"):
+    with pytest.raises(ConfigError, match="--lr is 0.5 but the run being resumed used 0.0005"):
         grpo.main(small_args(tmp_path, steps=2, lr=0.5, resume=str(tmp_path / "run")))
 
 
@@ -213,3 +213,22 @@ def test_grpo_learns_the_embedded_task(tmp_path):
     rows = read_metrics(tmp_path / "run")
     base, final = rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"]
     assert final >= 2 * base and final >= 0.5, (base, final)
+
+
+def test_real_model_path_on_a_local_model_with_a_chat_template_and_a_local_gsm8k_file(tmp_path, tiny_model, tokenizer):
+    """The --model <dir> --task gsm8k --data-path route, offline: a local model directory whose
+    tokenizer has a chat template, and a GSM8K-format jsonl file."""
+    model_dir = tmp_path / "local-model"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    tokenizer.chat_template = None
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"what is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n"
+                            for i in range(12)))
+    grpo.main(small_args(tmp_path, task="gsm8k", model=str(model_dir), data_path=str(data), steps=1,
+                         max_new_tokens=6, eval_prompts=4))
+    rows = read_metrics(tmp_path / "run")
+    assert rows[1]["completions/mean_length"] <= 6 and 0.0 <= rows[1]["reward/mean"] <= 1.0
+    args = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert args["model"] == str(model_dir) and args["task"] == "gsm8k"

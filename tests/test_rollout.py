@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from conftest import CHAT_TEMPLATE
+
 from common.rollout import completion_mask, encode_prompts, pass_at_k, rollout, row_uniforms, sample, token_logprobs
 
 PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
@@ -87,3 +89,14 @@ def test_pass_at_k_unbiased_estimator():
     assert pass_at_k(8, 0, 8) == 0.0 and pass_at_k(8, 1, 8) == 1.0
     assert pass_at_k(10, 3, 2) == pytest.approx(1 - math.comb(7, 2) / math.comb(10, 2))
     assert pass_at_k(5, 4, 2) == 1.0  # fewer than k failures: some k-subset always passes
+
+
+def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(tokenizer):
+    tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        ids, _ = encode_prompts(tokenizer, ["12>"], "cpu")
+    finally:
+        tokenizer.chat_template = None
+    assert tokenizer.decode(ids[0]) == "q: 12> a: "
+    plain, _ = encode_prompts(tokenizer, ["12>"], "cpu")
+    assert tokenizer.decode(plain[0]) == "12>"

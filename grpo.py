@@ -69,6 +69,8 @@ class Args:
     """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
     data_path: str | None = None
     """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    train_size: int | None = None
+    """use only the first N training prompts (default: all); a small pool is revisited often"""
     eval_data_path: str | None = None
     """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -242,6 +244,11 @@ def main(args: Args) -> None:
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
     task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts)
+    check(args.train_size is None or 1 <= args.train_size <= len(task.train),
+          f"--train-size must be in [1, {len(task.train)}] for --task {args.task} (got {args.train_size})")
+    task.train = task.train.select(range(args.train_size or len(task.train)))
+    check(args.prompts_per_step <= len(task.train),
+          f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume) if args.resume else None
@@ -261,9 +268,11 @@ def main(args: Args) -> None:
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     P = args.prompts_per_step // world  # prompts of this process
     G = args.num_generations
-    writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1) if accelerator.is_main_process else None
+    writer = None
+    if accelerator.is_main_process:
+        writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1)
 
-    def eval_now(step: int) -> dict:
+    def eval_now() -> dict:
         return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
                         args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world)
 
@@ -271,10 +280,9 @@ def main(args: Args) -> None:
     bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
     for step in range(start, args.steps + 1):
         if step == 0:  # the base policy: every curve starts here
+            metrics = eval_now()
             if writer:
-                writer.log(0, eval_now(0))
-            else:
-                eval_now(0)
+                writer.log(0, metrics)
             continue
         # ---- 1. sample prompts: step t's prompts depend only on (seed, t), so resume and sharding see the same ones
         t0 = time.perf_counter()
@@ -301,6 +309,7 @@ def main(args: Args) -> None:
         metrics.update({
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
+            "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
             "accuracy/train": (rewards >= 1.0).float().mean().item(),
             "frac_reward_zero_std": frac_zero_std(rewards, G),
             "completions/mean_length": lengths.mean().item(),
@@ -311,11 +320,11 @@ def main(args: Args) -> None:
             "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
         })
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            metrics.update(eval_now(step))
+            metrics.update(eval_now())
         if writer:
             writer.log(step, metrics)
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.2f}", **({"pass@1": f"{metrics['eval/pass@1']:.2f}"} if "eval/pass@1" in metrics else {}))
+        bar.set_postfix({k: f"{metrics[k]:.2f}" for k in ("reward/mean", "eval/pass@1") if k in metrics})
         # ---- 7. checkpoint (all processes agree on a stop request)
         stopping = accelerator.reduce(torch.tensor(float(stop.requested), device=device), "sum").item() > 0
         if step % args.save_every == 0 or step == args.steps or stopping:
@@ -335,6 +344,7 @@ def main(args: Args) -> None:
             if row["step"] in (0, args.steps):
                 print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
                       f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+
 
 if __name__ == "__main__":
     run(main, tyro.cli(Args))

@@ -5,8 +5,9 @@
 A completion counts as a success when its reward is 1 (pass@k is computed on successes).
 
 Embedded tasks (offline, generated from a fixed seed, each with a warm-started tiny model):
-    reverse  "40213>" -> "31204"   exact match (the default job)
-    add      "47+85=" -> "132"     partial progress: fraction of digits right, aligned on the units
+    reverse       "40213>" -> "31204"      exact match (the default job; 3-5 digits)
+    reverse-long  "5102934>" -> "4392015"  exact match, 5-7 digits: a hard task (base pass@1 below 15 %)
+    add           "47+85=" -> "132"        partial progress: fraction of digits right, aligned on the units
 Real task:
     gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
              `answer` fields; the reference answer is the number after `####` (or the whole answer).
@@ -26,7 +27,7 @@ from datasets import Dataset
 
 from common.cli import ConfigError
 
-EMBEDDED_TASKS = ("reverse", "add")
+EMBEDDED_TASKS = ("reverse", "reverse-long", "add")
 TASKS = EMBEDDED_TASKS + ("gsm8k",)
 DATA_SEED = 1234  # the embedded data sets are the same for every run and every seed
 
@@ -46,12 +47,17 @@ def reverse_example(rng: random.Random) -> tuple[str, str]:
     return f"{digits}>", digits[::-1]
 
 
+def reverse_long_example(rng: random.Random) -> tuple[str, str]:
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(5, 7)))
+    return f"{digits}>", digits[::-1]
+
+
 def add_example(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
     return f"{a}+{b}=", str(a + b)
 
 
-EXAMPLES = {"reverse": reverse_example, "add": add_example}
+EXAMPLES = {"reverse": reverse_example, "reverse-long": reverse_long_example, "add": add_example}
 
 
 def reverse_noisy_label(answer: str, rng: random.Random) -> str:
@@ -64,7 +70,7 @@ def add_noisy_label(answer: str, rng: random.Random) -> str:
     return "".join(rng.choice("0123456789") if rng.random() < 0.5 else d for d in answer)
 
 
-NOISY_LABELS = {"reverse": reverse_noisy_label, "add": add_noisy_label}
+NOISY_LABELS = {"reverse": reverse_noisy_label, "reverse-long": reverse_noisy_label, "add": add_noisy_label}
 
 
 def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -94,7 +100,7 @@ def embedded_dataset(name: str, n: int, seed: int, exclude: set[str] = frozenset
 def embedded_task(name: str, num_test: int = 128, num_train: int = 5000) -> Task:
     test = embedded_dataset(name, num_test, DATA_SEED)
     train = embedded_dataset(name, num_train, DATA_SEED + 1, exclude=set(test["prompt"]))
-    reward = exact_match_reward if name == "reverse" else digit_match_reward
+    reward = digit_match_reward if name == "add" else exact_match_reward
     return Task(name, train, test, reward, max_new_tokens=8)
 
 

@@ -1,0 +1,391 @@
+"""GAPO: GRPO with group-adaptive clipping (Jia et al. 2026, arXiv:2609.00444).
+
+Rollouts with a larger learning signal get more room to move up. Rewards are binary and advantages
+are not divided by the group std: with c correct completions out of k = G,
+
+    A_i = R_i - mean(R_1..R_k)                     (a correct completion has A = (k - c) / k)
+
+    eps_high(c) = eps_low + (eps_high_max - eps_low) * (k - c) / (k - 1)     for A_i > 0, c in [1, k]
+    eps_high    = eps_low                                                  for A_i <= 0
+
+    J(theta) = E[ agg_{i,t} min(s A_i, clip(s, 1 - eps_low, 1 + eps_high(c_i)) A_i) - beta * KL_k3(pi_theta || pi_ref) ]
+
+so a lone correct answer (c = 1) may move up by eps_high_max and an all-correct group by eps_low.
+Only the clip bound changes. s is the ratio, at one of two levels (--ratio-level):
+  sequence (the paper's main form, GSPO style): s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|),
+           the same for every token of y_i; defaults (eps_low, eps_high_max) = (3e-3, 5e-3);
+  token:   s_it = pi_theta(y_it|.) / pi_old(y_it|.); defaults (0.2, 0.28).
+Non-binary rewards in [0, 1] (a generalisation, not in the paper): the learning signal
+(k - c) / (k - 1) = A_i k / (k - 1) for binary rewards, so eps_high_i uses clamp(A_i k / (k - 1), 0, 1).
+
+As in grpo.py, with --num-iterations 1 the ratio is 1 and no clip binds; the adaptive bound acts
+from the second pass over a batch on. clip/frac_c{c} logs the clip fraction by c.
+
+Run:
+    python gapo.py                                        # the embedded job, offline
+    python gapo.py --task reverse-long --num-iterations 2 # a hard task, where clipping binds
+    python gapo.py --ratio-level token                    # per-token ratios, (0.2, 0.28)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from common.checkpoint import GracefulStop, find_checkpoint, load_state, run_dir_of, save_checkpoint
+from common.cli import check, run
+from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.rollout import evaluate, rollout, token_logprobs
+from common.tasks import load_task
+
+
+@dataclass
+class Args:
+    # ---------------------------------------------------------------- experiment
+    seed: int = 0
+    """seed of the prompt order, the sampling noise and the model's initial state"""
+    run_name: str | None = None
+    """name of the run directory under --output-dir (default: gapo__<task>__s<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """where runs are written: <output-dir>/<run-name>/{args.json, metrics.jsonl, checkpoints/}"""
+    resume: str | None = None
+    """resume from a run directory (its latest checkpoint) or a checkpoint directory; other flags must match the run"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: what accelerate picks (a GPU if there is one)"""
+    # ---------------------------------------------------------------- model and task
+    model: str = "embedded"
+    """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
+    task: str = "reverse"
+    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    data_path: str | None = None
+    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    train_size: int | None = None
+    """use only the first N training prompts (default: all); a small pool is revisited often"""
+    eval_data_path: str | None = None
+    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the models are loaded in"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with a hub model"""
+    # ---------------------------------------------------------------- rollout
+    steps: int = 200
+    """optimisation steps; each samples a fresh batch of prompts"""
+    prompts_per_step: int = 32
+    """prompts per step (global, over all processes)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (a group)"""
+    max_new_tokens: int | None = None
+    """completion budget (default: the task's)"""
+    temperature: float = 1.0
+    """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    # ---------------------------------------------------------------- algorithm
+    lr: float = 5e-4
+    """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
+    num_iterations: int = 1
+    """mu in the paper: optimisation passes over each batch, pi_old fixed; > 1 makes clipping bind"""
+    minibatches: int = 1
+    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    ratio_level: Literal["sequence", "token"] = "sequence"
+    """sequence: length-normalised sequence ratio (the paper's main form); token: per-token ratio"""
+    eps_low: float | None = None
+    """lower clip range, and the upper one of completions with A <= 0 (default: 3e-3 sequence, 0.2 token)"""
+    eps_high_max: float | None = None
+    """upper clip range of a lone correct completion (c = 1) (default: 5e-3 sequence, 0.28 token)"""
+    beta: float = 0.04
+    """KL coefficient against the reference model; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of KL(pi_theta || pi_ref) per token (k3 in the paper)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    # ---------------------------------------------------------------- evaluation and logging
+    eval_every: int = 10
+    """evaluate every this many steps (and at step 0, the base policy, and at the last step); 0: only at the ends"""
+    eval_samples: int = 8
+    """n: samples per held-out prompt for pass@k"""
+    eval_k: int = 8
+    """k of eval/pass@k (k <= n)"""
+    eval_prompts: int = 128
+    """number of held-out prompts"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end, and on Ctrl-C)"""
+    track: bool = False
+    """log to Weights & Biases (pip install -e '.[track]')"""
+    wandb_project: str = "postrl"
+    """W&B project"""
+
+
+# Flags that may differ between a run and its resumption.
+RESUMABLE = {"resume", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+
+
+def check_args(args: Args, num_processes: int) -> None:
+    check(args.num_generations >= 2, f"--num-generations must be at least 2 (got {args.num_generations}): "
+                                     "a group needs two completions to have a baseline")
+    check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
+    check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
+    check(args.eps_high_max >= args.eps_low, f"--eps-high-max must be >= --eps-low (got {args.eps_high_max} < {args.eps_low})")
+    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
+    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
+    check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
+    check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
+          f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the number of processes ({num_processes})")
+    local_rows = args.prompts_per_step // num_processes * args.num_generations
+    check(1 <= args.minibatches <= local_rows,
+          f"--minibatches must be in [1, {local_rows}] (the completions per process per step), got {args.minibatches}")
+    check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
+    check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
+          "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
+    check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
+    check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
+
+
+def check_resume(args: Args, run_dir: Path) -> None:
+    saved = json.loads((run_dir / "args.json").read_text())
+    for key, value in asdict(args).items():
+        check(key in RESUMABLE or saved.get(key) == value,
+              f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
+
+
+# ---------------------------------------------------------------- the GAPO objective
+DEFAULT_EPS = {"sequence": (3e-3, 5e-3), "token": (0.2, 0.28)}
+
+
+def adaptive_eps_high(advantages, group_size: int, eps_low: float, eps_high_max: float):
+    """eps_high of each completion: eps_low + (eps_high_max - eps_low) * (k - c) / (k - 1) if A > 0,
+    else eps_low. With binary rewards (k - c) / (k - 1) = A k / (k - 1); that form, clamped to
+    [0, 1], also serves rewards in [0, 1]."""
+    signal = (advantages * group_size / (group_size - 1)).clamp(0, 1)
+    return eps_low + (eps_high_max - eps_low) * signal
+
+
+def correct_per_group(rewards, group_size: int):
+    """c of each completion's group: how many of its G completions have reward 1."""
+    c = (rewards >= 1.0).view(-1, group_size).sum(dim=1)
+    return c.repeat_interleave(group_size)
+
+
+def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: Args, num_seqs, num_tokens):
+    """Clipped surrogate with a per-completion upper bound, plus beta * KL, aggregated with the whole batch's counts."""
+    log_ratio = logps - old_logps
+    if args.ratio_level == "sequence":  # s_i = exp(mean_t log r_it), the same for every token of y_i
+        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(logps)
+    ratio = torch.exp(log_ratio)  # == 1 on the first pass over a batch
+    A, upper = advantages[:, None], 1 + eps_high[:, None]
+    surrogate = torch.min(ratio * A, torch.minimum(ratio.clamp(min=1 - args.eps_low), upper) * A)
+    per_token = -surrogate
+    if ref_logps is not None:
+        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
+    loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
+        m = mask.bool()
+        log_old_over_new = old_logps - logps
+        clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0), (ratio > upper) & (A > 0)
+        group_of_c = torch.nn.functional.one_hot(c, args.num_generations + 1).float().T  # (k + 1, B)
+        stats = {
+            "ratio": ratio[m].sum(),
+            "clip_low": clip_low[m].sum(),  # the clip binds from below
+            "clip_high": clip_high[m].sum(),  # the clip binds from above (at the adaptive bound)
+            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
+            # token sums by c, the number of correct completions in the group (c = 0..k)
+            "tokens_by_c": group_of_c @ mask.sum(-1).float(),
+            "clip_by_c": group_of_c @ ((clip_low | clip_high) & m).sum(-1).float(),
+            "deviation_by_c": group_of_c @ ((ratio - 1).abs() * mask).sum(-1),
+        }
+    return loss, stats
+
+
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c, args: Args) -> dict[str, float]:
+    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
+    mask = batch.completion_mask
+    num_seqs = mask.shape[0] * accelerator.num_processes  # counts of the global batch
+    num_tokens = accelerator.reduce(mask.sum().float(), "sum")
+    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
+    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    stats, grad_norms = [], []
+    for iteration in range(args.num_iterations):
+        for j, rows in enumerate(chunks):
+            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
+            if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
+                old_logps[j] = logps.detach()
+                entropy += (token_entropy.detach() * mask[rows]).sum()
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            loss, step_stats = gapo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], eps_high[rows],
+                                         c[rows], mask[rows], args, num_seqs, num_tokens)
+            # DDP averages gradients over processes; the loss is already this process's share of the global sum
+            with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
+                accelerator.backward(loss * accelerator.num_processes)
+            stats.append({**step_stats, "loss": loss.detach()})
+        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def total(values) -> float:  # summed over micro-batches, passes and processes
+        return accelerator.reduce(torch.as_tensor(sum(values), dtype=torch.float32), "sum").item()
+
+    def extreme(key: str, fn) -> float:
+        return fn(accelerator.gather(fn(torch.stack([s[key] for s in stats])).reshape(1))).item()
+
+    token_passes = num_tokens.item() * args.num_iterations
+    metrics = {
+        "loss": total(s["loss"] for s in stats) / args.num_iterations,
+        "policy/entropy": total([entropy]) / num_tokens.item(),
+        "policy/ratio_mean": total(s["ratio"] for s in stats) / token_passes,
+        "policy/ratio_min": extreme("ratio_min", torch.min),
+        "policy/ratio_max": extreme("ratio_max", torch.max),
+        "policy/clip_frac_low": total(s["clip_low"] for s in stats) / token_passes,
+        "policy/clip_frac_high": total(s["clip_high"] for s in stats) / token_passes,
+        "policy/approx_kl": total(s["approx_kl"] for s in stats) / token_passes,
+        "policy/grad_norm": torch.stack(grad_norms).mean().item(),
+    }
+    if ref is not None:
+        metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
+    by_c = {key: accelerator.reduce(sum(s[key] for s in stats), "sum") for key in ("tokens_by_c", "clip_by_c", "deviation_by_c")}
+    for c_value, tokens in enumerate(by_c["tokens_by_c"].tolist()):
+        if tokens > 0:  # only the values of c that occurred in this batch
+            metrics[f"clip/frac_c{c_value}"] = by_c["clip_by_c"][c_value].item() / tokens
+            metrics[f"clip/ratio_dev_c{c_value}"] = by_c["deviation_by_c"][c_value].item() / tokens
+    return metrics
+
+
+def main(args: Args) -> None:
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    default_low, default_high = DEFAULT_EPS[args.ratio_level]
+    args.eps_low = default_low if args.eps_low is None else args.eps_low
+    args.eps_high_max = default_high if args.eps_high_max is None else args.eps_high_max
+    check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check_args(args, accelerator.num_processes)
+    # Everything that can be wrong with the input is found before a model is built.
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts)
+    check(args.train_size is None or 1 <= args.train_size <= len(task.train),
+          f"--train-size must be in [1, {len(task.train)}] for --task {args.task} (got {args.train_size})")
+    task.train = task.train.select(range(args.train_size or len(task.train)))
+    check(args.prompts_per_step <= len(task.train),
+          f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    model_path = resolve_model(args.model, args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        check_resume(args, run_dir_of(checkpoint))
+    run_name = args.run_name or f"gapo__{args.task}__s{args.seed}__{int(time.time())}"
+    run_dir = run_dir_of(checkpoint) if checkpoint else Path(args.output_dir) / run_name
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(model_path, args.trust_remote_code)
+    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code)
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
+    eos_ids = eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    start = load_state(checkpoint, optimizer)["step"] + 1 if checkpoint else 0
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    P = args.prompts_per_step // world  # prompts of this process
+    G = args.num_generations
+    writer = None
+    if accelerator.is_main_process:
+        writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1)
+
+    def eval_now() -> dict:
+        return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world)
+
+    stop = GracefulStop()
+    bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
+    for step in range(start, args.steps + 1):
+        if step == 0:  # the base policy: every curve starts here
+            metrics = eval_now()
+            if writer:
+                writer.log(0, metrics)
+            continue
+        # ---- 1. sample prompts: step t's prompts depend only on (seed, t), so resume and sharding see the same ones
+        t0 = time.perf_counter()
+        chosen = np.random.default_rng([args.seed, step]).choice(len(task.train), args.prompts_per_step, replace=False)
+        local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
+        rows = task.train.select(chosen[local].tolist())
+        prompts = [p for p in rows["prompt"] for _ in range(G)]
+        answers = [a for a in rows["answer"] for _ in range(G)]
+        # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
+        keys = [(args.seed, step, i, g) for i in local for g in range(G)]
+        batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
+                        args.temperature, eos_ids, device)
+        # ---- 3. score, 4. group-relative advantages over the global batch
+        rewards = accelerator.gather(torch.tensor(task.reward(batch.texts, answers), device=device))
+        mine = slice(rank * P * G, (rank + 1) * P * G)
+        advantages = group_advantages(rewards, G, "none")  # centred, not divided by the std
+        eps_high = adaptive_eps_high(advantages, G, args.eps_low, args.eps_high_max)
+        advantages, eps_high, c = advantages[mine], eps_high[mine], correct_per_group(rewards, G)[mine]
+        rollout_s = time.perf_counter() - t0
+        # ---- 5. optimise
+        t0 = time.perf_counter()
+        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c, args)
+        train_s = time.perf_counter() - t0
+        # ---- 6. log
+        lengths = accelerator.gather(batch.completion_mask.sum(-1).float())
+        finished = accelerator.gather(batch.finished.float())
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
+            "accuracy/train": (rewards >= 1.0).float().mean().item(),
+            "frac_reward_zero_std": frac_zero_std(rewards, G),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_frac": 1.0 - finished.mean().item(),
+            "time/rollout_s": rollout_s,
+            "time/train_s": train_s,
+            "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
+            "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
+        })
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_now())
+        if writer:
+            writer.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix({k: f"{metrics[k]:.2f}" for k in ("reward/mean", "eval/pass@1") if k in metrics})
+        # ---- 7. checkpoint (all processes agree on a stop request)
+        stopping = accelerator.reduce(torch.tensor(float(stop.requested), device=device), "sum").item() > 0
+        if step % args.save_every == 0 or step == args.steps or stopping:
+            if accelerator.is_main_process:
+                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer)
+            accelerator.wait_for_everyone()
+        if stopping:
+            bar.close()
+            print(f"stopped at step {step}; resume with --resume {run_dir}", file=sys.stderr)
+            sys.exit(130)
+    bar.close()
+    stop.restore()
+    if writer:
+        writer.close()
+        print(f"run: {run_dir}")
+        for row in read_metrics(run_dir):
+            if row["step"] in (0, args.steps):
+                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
+                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+
+
+if __name__ == "__main__":
+    run(main, tyro.cli(Args))

@@ -1,0 +1,400 @@
+"""IS-GRPO: GRPO with importance-sampled prompts (after "Why GRPO needs normalization", Ge et al. 2026).
+
+This file implements OUR READING OF THE PAPER'S ABSTRACT; the full paper (and its exact estimator)
+was not available to us. The finding: dividing by the within-prompt reward std sigma_x acts as an
+adaptive per-prompt step size, which is why GRPO converges faster than unnormalised REINFORCE; but
+the expected GRPO update over uniformly drawn prompts,
+
+    E_{x~D}[ grad J_x / sigma_x ],
+
+points away from the full gradient E_{x~D}[grad J_x] whenever sigma_x varies across prompts.
+The fix read here: draw prompts with probability proportional to sigma_x,
+
+    q(x) = sigma_hat_x / sum_x' sigma_hat_x'         (sigma_hat: a running estimate, see below)
+
+and keep the usual std-normalised GRPO update. Then
+
+    E_{x~q}[ grad J_x / sigma_x ] = sum_x sigma_x / S * grad J_x / sigma_x = E_D[grad J_x] * |D| / S,
+
+the direction of the full gradient, still with an adaptive step. Prompts whose G rewards are all
+equal carry no gradient; drawing them less often wastes less compute.
+
+sigma_hat_x is the std of the rewards of x's group on its last visits (an exponential average,
+--sigma-decay), --sigma-init for prompts never drawn, and at least --sigma-floor, so that a prompt
+whose group was all-equal is still drawn now and then and its estimate can recover. Prompts are
+drawn with replacement (independent draws are what the identity above needs).
+Ablation (--prompt-weighting): uniform prompts as in grpo.py, each group's advantages multiplied by
+sigma_x / mean(sigma) over the batch, which turns (R - mean) / sigma_x into (R - mean) / mean(sigma):
+batch-std normalisation, the same expected direction without changing which prompts are drawn.
+
+The loss is grpo.py's, unchanged. As there, with --num-iterations 1 the ratio is 1 and clipping never binds.
+
+Run:
+    python is_grpo.py                                     # the embedded job, offline
+    python is_grpo.py --prompt-weighting                  # the ablation: uniform prompts, sigma weights
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from common.checkpoint import GracefulStop, find_checkpoint, load_state, run_dir_of, save_checkpoint
+from common.cli import check, run
+from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.rollout import evaluate, rollout, token_logprobs
+from common.tasks import load_task
+
+
+@dataclass
+class Args:
+    # ---------------------------------------------------------------- experiment
+    seed: int = 0
+    """seed of the prompt order, the sampling noise and the model's initial state"""
+    run_name: str | None = None
+    """name of the run directory under --output-dir (default: is_grpo__<task>__s<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """where runs are written: <output-dir>/<run-name>/{args.json, metrics.jsonl, checkpoints/}"""
+    resume: str | None = None
+    """resume from a run directory (its latest checkpoint) or a checkpoint directory; other flags must match the run"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: what accelerate picks (a GPU if there is one)"""
+    # ---------------------------------------------------------------- model and task
+    model: str = "embedded"
+    """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
+    task: str = "reverse"
+    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    data_path: str | None = None
+    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    train_size: int | None = None
+    """use only the first N training prompts (default: all); a small pool is revisited often"""
+    eval_data_path: str | None = None
+    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the models are loaded in"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with a hub model"""
+    # ---------------------------------------------------------------- rollout
+    steps: int = 200
+    """optimisation steps; each samples a fresh batch of prompts"""
+    prompts_per_step: int = 32
+    """prompts per step (global, over all processes)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (a group)"""
+    max_new_tokens: int | None = None
+    """completion budget (default: the task's)"""
+    temperature: float = 1.0
+    """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    # ---------------------------------------------------------------- algorithm
+    lr: float = 5e-4
+    """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
+    num_iterations: int = 1
+    """mu in the paper: optimisation passes over each batch, pi_old fixed; > 1 makes clipping bind"""
+    minibatches: int = 1
+    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    eps_low: float = 0.2
+    """lower clip range: ratios below 1 - eps_low are clipped when A < 0"""
+    eps_high: float = 0.2
+    """upper clip range: ratios above 1 + eps_high are clipped when A > 0 (DAPO clip-higher: 0.28)"""
+    beta: float = 0.04
+    """KL coefficient against the reference model; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of KL(pi_theta || pi_ref) per token (k3 in the paper)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
+    sigma_init: float = 0.5
+    """sigma_hat of a prompt never drawn (0.5 is the largest std of a reward in [0, 1])"""
+    sigma_floor: float = 0.05
+    """smallest sigma_hat, so that all-equal prompts are still drawn now and then"""
+    sigma_decay: float = 0.5
+    """sigma_hat <- decay * sigma_hat + (1 - decay) * std of the new group (0: the last visit only)"""
+    prompt_weighting: bool = False
+    """ablation: uniform prompts, advantages weighted by sigma_x / mean(sigma) (batch-std normalisation)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    # ---------------------------------------------------------------- evaluation and logging
+    eval_every: int = 10
+    """evaluate every this many steps (and at step 0, the base policy, and at the last step); 0: only at the ends"""
+    eval_samples: int = 8
+    """n: samples per held-out prompt for pass@k"""
+    eval_k: int = 8
+    """k of eval/pass@k (k <= n)"""
+    eval_prompts: int = 128
+    """number of held-out prompts"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end, and on Ctrl-C)"""
+    track: bool = False
+    """log to Weights & Biases (pip install -e '.[track]')"""
+    wandb_project: str = "postrl"
+    """W&B project"""
+
+
+# Flags that may differ between a run and its resumption.
+RESUMABLE = {"resume", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+
+
+def check_args(args: Args, num_processes: int) -> None:
+    check(args.num_generations >= 2, f"--num-generations must be at least 2 (got {args.num_generations}): "
+                                     "a group needs two completions to have a baseline")
+    check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
+    check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
+    check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
+    check(0 < args.sigma_floor <= args.sigma_init, f"--sigma-floor must be in (0, --sigma-init] (got {args.sigma_floor})")
+    check(0 <= args.sigma_decay < 1, f"--sigma-decay must be in [0, 1) (got {args.sigma_decay})")
+    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
+    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
+    check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
+    check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
+          f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the number of processes ({num_processes})")
+    local_rows = args.prompts_per_step // num_processes * args.num_generations
+    check(1 <= args.minibatches <= local_rows,
+          f"--minibatches must be in [1, {local_rows}] (the completions per process per step), got {args.minibatches}")
+    check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
+    check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
+          "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
+    check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
+    check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
+
+
+def check_resume(args: Args, run_dir: Path) -> None:
+    saved = json.loads((run_dir / "args.json").read_text())
+    for key, value in asdict(args).items():
+        check(key in RESUMABLE or saved.get(key) == value,
+              f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
+
+
+# ---------------------------------------------------------------- the prompt sampler
+def prompt_probs(sigma_hat: np.ndarray, args: Args) -> np.ndarray:
+    """q(x) proportional to sigma_hat_x (sigma_init where unseen, at least sigma_floor)."""
+    sigma = np.where(np.isnan(sigma_hat), args.sigma_init, np.maximum(sigma_hat, args.sigma_floor))
+    return sigma / sigma.sum()
+
+
+def update_sigma(sigma_hat: np.ndarray, chosen: np.ndarray, group_std: np.ndarray, decay: float) -> None:
+    """Running estimate of each drawn prompt's reward std (in place; a prompt drawn twice takes its last group)."""
+    for x, std in zip(chosen, group_std):
+        sigma_hat[x] = std if np.isnan(sigma_hat[x]) else decay * sigma_hat[x] + (1 - decay) * std
+
+
+# ---------------------------------------------------------------- the GRPO objective
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens):
+    """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts."""
+    ratio = torch.exp(logps - old_logps)  # r_it; == 1 on the first pass over a batch
+    A = advantages[:, None]
+    surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
+    per_token = -surrogate
+    if ref_logps is not None:
+        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
+    loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
+        m = mask.bool()
+        log_old_over_new = old_logps - logps
+        stats = {
+            "ratio": ratio[m].sum(),
+            "clip_low": ((ratio < 1 - args.eps_low) & (A < 0))[m].sum(),  # the clip binds from below
+            "clip_high": ((ratio > 1 + args.eps_high) & (A > 0))[m].sum(),  # the clip binds from above
+            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
+        }
+    return loss, stats
+
+
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args) -> dict[str, float]:
+    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
+    mask = batch.completion_mask
+    num_seqs = mask.shape[0] * accelerator.num_processes  # counts of the global batch
+    num_tokens = accelerator.reduce(mask.sum().float(), "sum")
+    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
+    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    stats, grad_norms = [], []
+    for iteration in range(args.num_iterations):
+        for j, rows in enumerate(chunks):
+            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
+            if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
+                old_logps[j] = logps.detach()
+                entropy += (token_entropy.detach() * mask[rows]).sum()
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
+                                         num_seqs, num_tokens)
+            # DDP averages gradients over processes; the loss is already this process's share of the global sum
+            with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
+                accelerator.backward(loss * accelerator.num_processes)
+            stats.append({**step_stats, "loss": loss.detach()})
+        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def total(values) -> float:  # summed over micro-batches, passes and processes
+        return accelerator.reduce(torch.as_tensor(sum(values), dtype=torch.float32), "sum").item()
+
+    def extreme(key: str, fn) -> float:
+        return fn(accelerator.gather(fn(torch.stack([s[key] for s in stats])).reshape(1))).item()
+
+    token_passes = num_tokens.item() * args.num_iterations
+    metrics = {
+        "loss": total(s["loss"] for s in stats) / args.num_iterations,
+        "policy/entropy": total([entropy]) / num_tokens.item(),
+        "policy/ratio_mean": total(s["ratio"] for s in stats) / token_passes,
+        "policy/ratio_min": extreme("ratio_min", torch.min),
+        "policy/ratio_max": extreme("ratio_max", torch.max),
+        "policy/clip_frac_low": total(s["clip_low"] for s in stats) / token_passes,
+        "policy/clip_frac_high": total(s["clip_high"] for s in stats) / token_passes,
+        "policy/approx_kl": total(s["approx_kl"] for s in stats) / token_passes,
+        "policy/grad_norm": torch.stack(grad_norms).mean().item(),
+    }
+    if ref is not None:
+        metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
+    return metrics
+
+
+def main(args: Args) -> None:
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check_args(args, accelerator.num_processes)
+    # Everything that can be wrong with the input is found before a model is built.
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts)
+    check(args.train_size is None or 1 <= args.train_size <= len(task.train),
+          f"--train-size must be in [1, {len(task.train)}] for --task {args.task} (got {args.train_size})")
+    task.train = task.train.select(range(args.train_size or len(task.train)))
+    check(args.prompts_per_step <= len(task.train),
+          f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    model_path = resolve_model(args.model, args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        check_resume(args, run_dir_of(checkpoint))
+    run_name = args.run_name or f"is_grpo__{args.task}__s{args.seed}__{int(time.time())}"
+    run_dir = run_dir_of(checkpoint) if checkpoint else Path(args.output_dir) / run_name
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(model_path, args.trust_remote_code)
+    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code)
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
+    eos_ids = eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    state = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
+    start = state["step"] + 1
+    sigma_hat = state["extra"].get("sigma_hat", np.full(len(task.train), np.nan))  # NaN: never drawn
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    P = args.prompts_per_step // world  # prompts of this process
+    G = args.num_generations
+    writer = None
+    if accelerator.is_main_process:
+        writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1)
+
+    def eval_now() -> dict:
+        return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world)
+
+    stop = GracefulStop()
+    bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
+    for step in range(start, args.steps + 1):
+        if step == 0:  # the base policy: every curve starts here
+            metrics = eval_now()
+            if writer:
+                writer.log(0, metrics)
+            continue
+        # ---- 1. draw prompts with q(x) proportional to sigma_hat_x (uniformly for the ablation); the draw
+        #         depends only on (seed, step) and sigma_hat, so resume and sharding see the same prompts
+        t0 = time.perf_counter()
+        rng = np.random.default_rng([args.seed, step])
+        q = prompt_probs(sigma_hat, args)
+        if args.prompt_weighting:
+            chosen = rng.choice(len(task.train), args.prompts_per_step, replace=False)
+        else:
+            chosen = rng.choice(len(task.train), args.prompts_per_step, replace=True, p=q)
+        local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
+        rows = task.train.select(chosen[local].tolist())
+        prompts = [p for p in rows["prompt"] for _ in range(G)]
+        answers = [a for a in rows["answer"] for _ in range(G)]
+        # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
+        keys = [(args.seed, step, i, g) for i in local for g in range(G)]
+        batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
+                        args.temperature, eos_ids, device)
+        # ---- 3. score, 4. group-relative advantages over the global batch
+        rewards = accelerator.gather(torch.tensor(task.reward(batch.texts, answers), device=device))
+        group_std = rewards.view(-1, G).std(dim=1)
+        update_sigma(sigma_hat, chosen, group_std.cpu().numpy(), args.sigma_decay)
+        advantages = group_advantages(rewards, G, "group")
+        if args.prompt_weighting:  # (R - mean) / sigma_x * sigma_x / mean(sigma) = (R - mean) / mean(sigma)
+            advantages = advantages * (group_std / group_std.mean().clamp(min=1e-8)).repeat_interleave(G)
+        advantages = advantages[rank * P * G : (rank + 1) * P * G]
+        rollout_s = time.perf_counter() - t0
+        # ---- 5. optimise
+        t0 = time.perf_counter()
+        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args)
+        train_s = time.perf_counter() - t0
+        # ---- 6. log
+        lengths = accelerator.gather(batch.completion_mask.sum(-1).float())
+        finished = accelerator.gather(batch.finished.float())
+        metrics.update({
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item(),
+            "reward/group_std_mean": group_std.mean().item(),  # within-prompt spread
+            "sampling/distinct_prompts": len(set(chosen.tolist())),
+            "sampling/q_max_over_uniform": q.max() * len(q),  # 1 when q is uniform
+            "sampling/q_cv": q.std() / q.mean(),  # spread of the sampling probabilities
+            "sampling/seen_frac": float(np.mean(~np.isnan(sigma_hat))),
+            "accuracy/train": (rewards >= 1.0).float().mean().item(),
+            "frac_reward_zero_std": frac_zero_std(rewards, G),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_frac": 1.0 - finished.mean().item(),
+            "time/rollout_s": rollout_s,
+            "time/train_s": train_s,
+            "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
+            "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
+        })
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            metrics.update(eval_now())
+        if writer:
+            writer.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix({k: f"{metrics[k]:.2f}" for k in ("reward/mean", "eval/pass@1") if k in metrics})
+        # ---- 7. checkpoint (all processes agree on a stop request)
+        stopping = accelerator.reduce(torch.tensor(float(stop.requested), device=device), "sum").item() > 0
+        if step % args.save_every == 0 or step == args.steps or stopping:
+            if accelerator.is_main_process:
+                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer,
+                                extra={"sigma_hat": sigma_hat})
+            accelerator.wait_for_everyone()
+        if stopping:
+            bar.close()
+            print(f"stopped at step {step}; resume with --resume {run_dir}", file=sys.stderr)
+            sys.exit(130)
+    bar.close()
+    stop.restore()
+    if writer:
+        writer.close()
+        print(f"run: {run_dir}")
+        for row in read_metrics(run_dir):
+            if row["step"] in (0, args.steps):
+                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
+                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+
+
+if __name__ == "__main__":
+    run(main, tyro.cli(Args))

@@ -33,6 +33,22 @@ def tiny_model(tokenizer):
     return LlamaForCausalLM(tiny_llama_config(tokenizer)).eval()
 
 
+# A few seconds' run of any algorithm script on the embedded job.
+SMALL = dict(prompts_per_step=8, num_generations=4, eval_prompts=16, eval_samples=4, eval_k=2, eval_every=2, device="cpu")
+
+
+def small_args(script, tmp_path, **overrides):
+    """script.Args for a small run writing to <tmp_path>/run."""
+    return script.Args(output_dir=str(tmp_path), run_name="run", **{**SMALL, **overrides})
+
+
+def latest_weights(run_dir):
+    """The policy of a run's latest checkpoint, loaded as any transformers user would."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(sorted((Path(run_dir) / "checkpoints").glob("step_*"))[-1])
+
+
 def run_script(*argv: str, timeout: float = 300, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command from the repository root, capturing its output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, ROOT, run_script, state_dicts_equal, without_timing
+import conftest
+from conftest import CHAT_TEMPLATE, ROOT, latest_weights, run_script, state_dicts_equal, without_timing
 
 import grpo
 from common.cli import ConfigError
@@ -17,17 +18,10 @@ from common.losses import aggregate, group_advantages
 from common.logging import read_metrics
 from common.rollout import rollout, token_logprobs
 
-SMALL = dict(prompts_per_step=8, num_generations=4, eval_prompts=16, eval_samples=4, eval_k=2, eval_every=2, device="cpu")
 
 
 def small_args(tmp_path, **overrides) -> grpo.Args:
-    return grpo.Args(output_dir=str(tmp_path), run_name="run", **{**SMALL, **overrides})
-
-
-def latest_weights(run_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(sorted((run_dir / "checkpoints").glob("step_*"))[-1])
+    return conftest.small_args(grpo, tmp_path, **overrides)
 
 
 # ---------------------------------------------------------------- the objective

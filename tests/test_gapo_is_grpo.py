@@ -1,0 +1,145 @@
+"""gapo.py (group-adaptive clipping) and is_grpo.py (importance-sampled prompts)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import latest_weights, small_args, state_dicts_equal, without_timing
+
+import gapo
+import grpo
+import is_grpo
+from common.cli import ConfigError
+from common.logging import read_metrics
+from common.losses import group_advantages
+
+
+# ---------------------------------------------------------------- GAPO
+def binary_group(c: int, k: int = 8) -> torch.Tensor:
+    return torch.tensor([1.0] * c + [0.0] * (k - c))
+
+
+@pytest.mark.parametrize("c", range(0, 9))
+def test_adaptive_eps_high_for_k_8_and_every_c(c):
+    k, eps_low, eps_high_max = 8, 0.2, 0.28
+    advantages = group_advantages(binary_group(c, k), k, "none")
+    eps_high = gapo.adaptive_eps_high(advantages, k, eps_low, eps_high_max)
+    expected_correct = eps_low + (eps_high_max - eps_low) * (k - c) / (k - 1)  # the paper's eps_high(c)
+    assert eps_high[:c].tolist() == pytest.approx([expected_correct] * c)  # correct completions, A = (k - c) / k > 0
+    assert eps_high[c:].tolist() == pytest.approx([eps_low] * (k - c))  # A <= 0 keeps eps_low
+    if c == 1:
+        assert eps_high[0].item() == pytest.approx(eps_high_max)
+
+
+def test_correct_per_group_counts_each_completions_group():
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0.5])  # partial credit (0.5) is not correct
+    assert gapo.correct_per_group(rewards, 4).tolist() == [1] * 4 + [2] * 4
+    assert gapo.correct_per_group(torch.tensor([1.0, 1, 0, 0]), 2).tolist() == [2, 2, 0, 0]
+
+
+def test_sequence_ratio_is_the_length_normalised_product_of_token_ratios():
+    """s_i = (prod_t r_it)^(1/|y_i|) over the valid tokens; every token of y_i carries it."""
+    args = gapo.Args(ratio_level="sequence", eps_low=0.5, eps_high_max=0.5, beta=0.0, loss_agg="seq-mean-token-mean",
+                     max_new_tokens=3, num_generations=2)
+    token_ratios = torch.tensor([[2.0, 0.5, 3.0], [1.5, 99.0, 99.0]])  # second completion has one valid token
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages = torch.tensor([1.0, 1.0])
+    loss, stats = gapo.gapo_loss(torch.log(token_ratios), torch.zeros(2, 3), None, advantages, torch.full((2,), 0.5),
+                                 torch.tensor([2, 2]), mask, args, 2, 4)
+    s1, s2 = 3.0 ** (1 / 3), 1.5  # (2 * 0.5 * 3)^(1/3) and 1.5^(1/1)
+    assert loss.item() == pytest.approx(-(s1 + s2) / 2)  # neither exceeds 1 + 0.5
+    assert stats["ratio"].item() == pytest.approx(3 * s1 + s2)
+    assert stats["ratio_min"].item() == pytest.approx(s1) and stats["ratio_max"].item() == pytest.approx(s2)
+
+
+def test_gapo_with_eps_high_max_equal_to_eps_low_is_grpo_without_std_scaling(tiny_model, tokenizer):
+    from common.rollout import rollout, token_logprobs
+
+    prompts = [p for p in ["12>", "345>", "67>"] for _ in range(4)]
+    batch = rollout(tiny_model, tokenizer, prompts, [(1, i) for i in range(12)], 6, 1.0, [tokenizer.eos_token_id], "cpu")
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0])
+    advantages = group_advantages(rewards, 4, "none")
+    with torch.no_grad():
+        old, _ = token_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    logps = old + 0.3 * torch.randn_like(old)  # a later pass: ratios away from 1, so clipping binds
+    common = dict(beta=0.0, loss_agg="token-mean", max_new_tokens=6, num_generations=4)
+    g_args = gapo.Args(ratio_level="token", eps_low=0.2, eps_high_max=0.2, **common)
+    eps_high = gapo.adaptive_eps_high(advantages, 4, 0.2, 0.2)
+    gapo_value, gapo_stats = gapo.gapo_loss(logps, old, None, advantages, eps_high, gapo.correct_per_group(rewards, 4),
+                                            batch.completion_mask, g_args, 12, None)
+    grpo_value, grpo_stats = grpo.grpo_loss(logps, old, None, advantages, batch.completion_mask,
+                                            grpo.Args(eps_low=0.2, eps_high=0.2, scale_rewards="none", **common), 12, None)
+    assert gapo_value.item() == pytest.approx(grpo_value.item(), abs=1e-7)
+    assert gapo_stats["clip_low"] + gapo_stats["clip_high"] == grpo_stats["clip_low"] + grpo_stats["clip_high"] > 0
+
+
+def test_gapo_smoke_run_logs_clip_fraction_by_c(tmp_path):
+    gapo.main(small_args(gapo, tmp_path, steps=2, num_iterations=2, prompts_per_step=16))
+    rows = read_metrics(tmp_path / "run")
+    by_c = [k for k in rows[1] if k.startswith("clip/frac_c")]
+    assert by_c and all(0.0 <= rows[1][k] <= 1.0 for k in by_c)
+    assert rows[1]["policy/clip_frac_low"] + rows[1]["policy/clip_frac_high"] > 0
+    args = __import__("json").loads((tmp_path / "run" / "args.json").read_text())
+    assert (args["eps_low"], args["eps_high_max"]) == (3e-3, 5e-3)  # the sequence-level defaults
+
+
+def test_gapo_refuses_eps_high_max_below_eps_low(tmp_path):
+    with pytest.raises(ConfigError, match="--eps-high-max must be >= --eps-low"):
+        gapo.main(small_args(gapo, tmp_path, eps_low=0.2, eps_high_max=0.1))
+
+
+# ---------------------------------------------------------------- IS-GRPO
+def sampler_args(**overrides) -> is_grpo.Args:
+    return is_grpo.Args(**{"sigma_init": 0.5, "sigma_floor": 0.05, **overrides})
+
+
+def test_prompts_are_drawn_in_proportion_to_sigma_hat():
+    """Chi-square test of 20,000 draws (fixed seed) against q = sigma_hat / sum(sigma_hat)."""
+    sigma_hat = np.array([0.5, 0.4, 0.3, 0.2, 0.1, 0.0, np.nan])  # 0 -> floor 0.05, NaN -> init 0.5
+    q = is_grpo.prompt_probs(sigma_hat, sampler_args())
+    expected = np.array([0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.5]) / 2.05
+    assert q == pytest.approx(expected)
+    n = 20_000
+    draws = np.random.default_rng(0).choice(len(q), n, replace=True, p=q)
+    counts = np.bincount(draws, minlength=len(q))
+    chi2 = ((counts - n * q) ** 2 / (n * q)).sum()
+    assert chi2 < 22.5  # the 0.999 quantile of a chi-square with 6 degrees of freedom
+
+
+def test_equal_sigmas_give_uniform_sampling_and_the_grpo_loss(tiny_model, tokenizer):
+    q = is_grpo.prompt_probs(np.full(10, 0.3), sampler_args())
+    assert q == pytest.approx(np.full(10, 0.1))
+    logps, old = torch.randn(4, 5), torch.randn(4, 5)
+    mask, adv = torch.ones(4, 5), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    a, _ = is_grpo.grpo_loss(logps, old, old, adv, mask, is_grpo.Args(max_new_tokens=5), 4, 20)
+    b, _ = grpo.grpo_loss(logps, old, old, adv, mask, grpo.Args(max_new_tokens=5), 4, 20)
+    assert a.item() == b.item()
+
+
+def test_sigma_estimate_is_a_running_average_of_the_group_stds():
+    sigma_hat = np.full(3, np.nan)
+    is_grpo.update_sigma(sigma_hat, np.array([0, 2]), np.array([0.4, 0.0]), decay=0.5)
+    assert sigma_hat[0] == 0.4 and np.isnan(sigma_hat[1]) and sigma_hat[2] == 0.0
+    is_grpo.update_sigma(sigma_hat, np.array([0]), np.array([0.2]), decay=0.5)
+    assert sigma_hat[0] == pytest.approx(0.3)
+
+
+def test_is_grpo_draws_fewer_zero_variance_prompts_on_a_small_pool(tmp_path):
+    """Once the pool has been seen, all-equal prompts (sigma_hat = 0 -> the floor) are drawn less."""
+    is_grpo.main(small_args(is_grpo, tmp_path, steps=12, train_size=16, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert rows[-1]["sampling/seen_frac"] == 1.0 and rows[-1]["sampling/q_cv"] > 0.2
+    assert all(r["sampling/distinct_prompts"] <= 8 for r in rows)
+
+
+def test_is_grpo_resume_restores_the_sigma_estimates(tmp_path):
+    is_grpo.main(small_args(is_grpo, tmp_path / "full", steps=4, save_every=2, train_size=16))
+    is_grpo.main(small_args(is_grpo, tmp_path / "cut", steps=2, save_every=2, train_size=16))
+    is_grpo.main(small_args(is_grpo, tmp_path / "cut", steps=4, save_every=2, train_size=16, resume=str(tmp_path / "cut" / "run")))
+    assert without_timing(read_metrics(tmp_path / "cut" / "run")) == without_timing(read_metrics(tmp_path / "full" / "run"))
+    assert state_dicts_equal(latest_weights(tmp_path / "cut" / "run"), latest_weights(tmp_path / "full" / "run"))
+
+
+def test_prompt_weighting_ablation_runs_and_keeps_uniform_prompts(tmp_path):
+    is_grpo.main(small_args(is_grpo, tmp_path, steps=2, prompt_weighting=True, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert all(r["sampling/distinct_prompts"] == 8 for r in rows)

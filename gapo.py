@@ -19,11 +19,12 @@ Non-binary rewards in [0, 1] (a generalisation, not in the paper): the learning 
 (k - c) / (k - 1) = A_i k / (k - 1) for binary rewards, so eps_high_i uses clamp(A_i k / (k - 1), 0, 1).
 
 As in grpo.py, with --num-iterations 1 the ratio is 1 and no clip binds; the adaptive bound acts
-from the second pass over a batch on. clip/frac_c{c} logs the clip fraction by c.
+from the second pass over a batch on, hence the default of 2 passes here. clip/frac_c{c} logs the
+clip fraction by c.
 
 Run:
     python gapo.py                                        # the embedded job, offline
-    python gapo.py --task reverse-long --num-iterations 2 # a hard task, where clipping binds
+    python gapo.py --task reverse-long                    # a hard task (base pass@1 of a few %)
     python gapo.py --ratio-level token                    # per-token ratios, (0.2, 0.28)
 """
 
@@ -95,8 +96,8 @@ class Args:
     # ---------------------------------------------------------------- algorithm
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
-    num_iterations: int = 1
-    """mu in the paper: optimisation passes over each batch, pi_old fixed; > 1 makes clipping bind"""
+    num_iterations: int = 2
+    """optimisation passes over each batch, pi_old fixed; 2 by default so that the adaptive bound acts"""
     minibatches: int = 1
     """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
     ratio_level: Literal["sequence", "token"] = "sequence"

@@ -24,7 +24,7 @@ from common.models import WEIGHTS_DIR, char_tokenizer
 from common.tasks import EMBEDDED_TASKS, EXAMPLES, NOISY_LABELS, embedded_task
 
 NOISE = 0.7  # fraction of warm-start labels that are noisy
-WARM_START_STEPS = {"reverse": 700, "reverse-long": 700, "add": 1500}  # addition takes longer to pick up
+WARM_START_STEPS = {"reverse": 700, "reverse-long": 1500, "add": 1500}  # addition takes longer to pick up
 
 
 def tiny_llama_config(tokenizer, hidden: int = 64, layers: int = 2) -> LlamaConfig:

@@ -6,7 +6,7 @@ A completion counts as a success when its reward is 1 (pass@k is computed on suc
 
 Embedded tasks (offline, generated from a fixed seed, each with a warm-started tiny model):
     reverse       "40213>" -> "31204"      exact match (the default job; 3-5 digits)
-    reverse-long  "5102934>" -> "4392015"  exact match, 5-7 digits: a hard task (base pass@1 below 15 %)
+    reverse-long  "510293>" -> "392015"    exact match, 4-6 digits: a hard task (base pass@1 under 15 %)
     add           "47+85=" -> "132"        partial progress: fraction of digits right, aligned on the units
 Real task:
     gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
@@ -48,7 +48,7 @@ def reverse_example(rng: random.Random) -> tuple[str, str]:
 
 
 def reverse_long_example(rng: random.Random) -> tuple[str, str]:
-    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(5, 7)))
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 6)))
     return f"{digits}>", digits[::-1]
 
 

@@ -1,0 +1,90 @@
+"""Shared plumbing of the reproduction scripts: run algorithm scripts, read their metrics, plot."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common.logging import read_metrics  # noqa: E402
+
+
+@dataclass
+class Job:
+    name: str  # run name, unique within the reproduction
+    script: str  # grpo.py, gapo.py, ...
+    flags: list[str]
+
+
+def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, dict]:
+    """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads.
+    Returns {name: {"rows": metrics rows, "wall_s": seconds}}."""
+    threads = str(max(1, (os.cpu_count() or 2) // workers))
+
+    def one(job: Job) -> tuple[str, dict]:
+        run_dir = ROOT / output_dir / job.name
+        done = run_dir / "done"
+        if not done.exists():
+            t0 = time.time()
+            subprocess.run([sys.executable, job.script, *job.flags, "--output-dir", output_dir, "--run-name", job.name],
+                           cwd=ROOT, check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           env={**os.environ, "OMP_NUM_THREADS": threads})
+            done.write_text(f"{time.time() - t0:.1f}\n")
+            print(f"  {job.name}: {float(done.read_text()):.0f}s", flush=True)
+        return job.name, {"rows": read_metrics(run_dir), "wall_s": float(done.read_text())}
+
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(pool.map(one, jobs))
+
+
+def evals(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "eval/pass@1" in r]
+
+
+def first_step_reaching(rows: list[dict], key: str, threshold: float) -> int | None:
+    """The first evaluated step at which rows[key] >= threshold (None if never)."""
+    return next((r["step"] for r in evals(rows) if r[key] >= threshold), None)
+
+
+def mean_over_steps(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.mean(values) if values else float("nan")
+
+
+def mean_sd(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "never"
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
+
+
+def pyplot():
+    """matplotlib.pyplot with a file backend, or None if matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plot]'): no figure")
+        return None
+
+
+def smooth(values: list[float], window: int = 10) -> list[float]:
+    """Trailing moving average."""
+    out = []
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(recent) / len(recent))
+    return out

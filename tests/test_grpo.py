@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -199,14 +198,6 @@ def test_two_processes_give_the_same_run_as_one(tmp_path):
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
     assert state_dicts_equal(latest_weights(tmp_path / "one" / "run"), latest_weights(tmp_path / "two" / "run"), atol=1e-4)
-
-
-def test_grpo_learns_the_embedded_task(tmp_path):
-    """A smaller budget than the default run (200 steps, which ends near pass@1 0.88 from 0.15)."""
-    grpo.main(replace(grpo.Args(output_dir=str(tmp_path), run_name="run", device="cpu"), steps=30, eval_every=0, eval_prompts=64))
-    rows = read_metrics(tmp_path / "run")
-    base, final = rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"]
-    assert final >= 2 * base and final >= 0.5, (base, final)
 
 
 def test_real_model_path_on_a_local_model_with_a_chat_template_and_a_local_gsm8k_file(tmp_path, tiny_model, tokenizer):

@@ -56,17 +56,19 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[t
     return (~eos_seen_before).long(), is_eos.any(-1)
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=None, use_cache=True):
-    """model(...) across transformers versions: the KV cache argument is `cache` in newer releases."""
-    params = inspect.signature(model.forward).parameters
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+def _accepts(model, name: str) -> bool:
+    """Whether the (possibly DDP-wrapped) model's forward takes this keyword."""
+    return name in inspect.signature(getattr(model, "module", model).forward).parameters
+
+
+def _forward(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=None):
+    """A cached decoding step, across transformers versions: the KV cache argument is `cache` in newer releases."""
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
     if cache is not None:
-        kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if logits_to_keep is not None and "logits_to_keep" in params:
+        kwargs["cache" if _accepts(model, "cache") else "past_key_values"] = cache
+    if logits_to_keep is not None and _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = logits_to_keep
     out = model(**kwargs)
-    if not use_cache:
-        return out.logits, None
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
@@ -116,20 +118,34 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs * mask, finished, texts)
 
 
-def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature), with the
-    same positions and mask as at sampling; and the entropy of that distribution if asked."""
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool = False):
+    """Logits at the positions that predict completion tokens y_1..y_T (B, T, V), with the same
+    positions and mask as at sampling; and the last layer's hidden states there (B, T, H) if asked."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     T = completion_ids.shape[1]
-    logits, _ = _forward(model, input_ids, attention_mask, position_ids, logits_to_keep=T + 1, use_cache=False)
-    logits = logits[:, -T - 1 : -1].float() / (temperature or 1.0)  # the logits that predict y_1..y_T
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logps = logp_all.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    keep = {"logits_to_keep": T + 1} if _accepts(model, "logits_to_keep") else {}  # no logits over the prompt
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_hidden_states=with_hidden, **keep)
+    hidden = out.hidden_states[-1][:, -T - 1 : -1] if with_hidden else None
+    return out.logits[:, -T - 1 : -1], hidden
+
+
+def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False):
+    """log softmax(logits / temperature) at the given tokens; and the entropy of that distribution if asked."""
+    logp_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+    logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logps, entropy
+
+
+def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature), with the
+    same positions and mask as at sampling; and the entropy of that distribution if asked."""
+    logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

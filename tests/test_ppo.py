@@ -1,0 +1,110 @@
+"""ppo.py: GAE, value clipping, KL-in-reward placement, explained variance, and the script end to end."""
+
+import pytest
+import torch
+from conftest import latest_weights, small_args, state_dicts_equal, without_timing
+
+import ppo
+from common.logging import read_metrics
+
+
+def reference_gae(rewards, values, length, gamma, lam):
+    """A straightforward loop over one completion's `length` real tokens; V after the last is 0."""
+    advantages, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(length)):
+        next_value = values[t + 1] if t + 1 < length else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+    return advantages
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("lam", [0.0, 0.95, 1.0])
+def test_gae_matches_a_reference_loop_with_masked_tails(gamma, lam):
+    rewards = torch.tensor([[0.1, -0.2, 0.3, 1.0, 7.0], [0.0, 0.5, 9.0, 9.0, 9.0], [0.2, 0.2, 0.2, 0.2, -1.0]])
+    values = torch.tensor([[0.5, 0.4, 0.3, 0.2, 5.0], [0.1, 0.2, 8.0, 8.0, 8.0], [0.0, 0.1, 0.2, 0.3, 0.4]])
+    lengths = [4, 2, 5]  # junk (7, 9, 8, 5) after each completion's end must not matter
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths])
+    advantages, returns = ppo.gae(rewards, values, mask, gamma, lam)
+    for i, n in enumerate(lengths):
+        expected = reference_gae(rewards[i].tolist(), values[i].tolist(), n, gamma, lam)
+        assert advantages[i].tolist() == pytest.approx(expected, abs=1e-6)
+        assert returns[i, :n].tolist() == pytest.approx([a + v for a, v in zip(expected[:n], values[i, :n].tolist())], abs=1e-6)
+        assert returns[i, n:].abs().sum() == 0
+
+
+def test_gae_with_lambda_one_and_gamma_one_is_the_return_minus_the_value():
+    rewards, values = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.3, 0.6, 0.9]])
+    advantages, _ = ppo.gae(rewards, values, torch.ones(1, 3), 1.0, 1.0)
+    assert advantages.tolist()[0] == pytest.approx([0.7, 0.4, 0.1])
+
+
+def test_task_score_lands_on_the_last_real_token_only_and_kl_on_every_token():
+    logps = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-2.0, -2.0, -2.0, -2.0]])
+    ref_logps = torch.tensor([[-1.5, -1.5, -1.5, -1.5], [-2.0, -1.0, -2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    rewards = ppo.per_token_rewards(torch.tensor([1.0, 0.5]), logps, ref_logps, mask, kl_coef=0.1)
+    assert rewards[0].tolist() == pytest.approx([-0.05, -0.05, -0.05 + 1.0, 0.0])
+    assert rewards[1].tolist() == pytest.approx([0.0, 0.1 + 0.5, 0.0, 0.0])
+    assert ppo.per_token_rewards(torch.tensor([1.0, 0.5]), logps, None, mask, 0.1)[1].tolist() == [0, 0.5, 0, 0]
+
+
+def test_value_loss_is_clipped_around_the_old_values():
+    args = ppo.Args(cliprange_value=0.2, vf_coef=1.0, ent_coef=0.0)
+    zeros = torch.zeros(1, 3)
+    values = torch.tensor([[1.0, 0.1, -0.5]])  # moved +1.0, +0.1, -0.5 from V_old = 0
+    returns = torch.tensor([[2.0, 1.0, 0.0]])
+    _, stats = ppo.ppo_loss(zeros, zeros, values, zeros, zeros, returns, zeros, torch.ones(1, 3), args, 3)
+    # token 1: max((1-2)^2, (0.2-2)^2) = 3.24; token 2: max(0.81, 0.81) = 0.81; token 3: max(0.25, (-0.2)^2) = 0.25
+    assert stats["vf_loss"].item() == pytest.approx(0.5 * (3.24 + 0.81 + 0.25) / 3)
+    assert stats["vf_clip"].item() == 2
+
+
+def test_policy_loss_is_the_pessimistic_clipped_surrogate():
+    args = ppo.Args(cliprange=0.2, vf_coef=0.0)
+    old = torch.zeros(1, 2)
+    logps = torch.log(torch.tensor([[1.5, 0.5]]))
+    advantages = torch.tensor([[1.0, -1.0]])
+    zeros = torch.zeros(1, 2)
+    _, stats = ppo.ppo_loss(logps, old, zeros, zeros, advantages, zeros, zeros, torch.ones(1, 2), args, 2)
+    # A=+1, r=1.5: max(-1.5, -1.2) = -1.2;  A=-1, r=0.5: max(0.5, 0.8) = 0.8
+    assert stats["pg_loss"].item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["clip_high"].item() == 1 and stats["clip_low"].item() == 1
+
+
+def test_explained_variance_of_a_perfect_and_a_constant_critic():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert ppo.explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
+
+
+PPO_SMALL = dict(prompts_per_step=32, num_generations=1, minibatches=2, ppo_epochs=2)
+
+
+def test_ppo_smoke_run_with_a_value_head_logs_the_shared_and_ppo_metrics(tmp_path):
+    ppo.main(small_args(ppo, tmp_path, steps=2, **PPO_SMALL))
+    rows = read_metrics(tmp_path / "run")
+    for key in ("value/loss", "value/explained_variance", "value/clip_frac", "policy/approx_kl", "policy/clip_frac_low",
+                "policy/clip_frac_high", "objective/kl_ref", "objective/non_score_reward", "reward/mean", "eval/pass@1"):
+        assert key in rows[2], key
+    assert rows[1]["objective/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the first batch is sampled by pi_ref itself
+    assert latest_weights(tmp_path / "run").num_parameters() > 0
+
+
+def test_ppo_resume_with_a_separate_critic_ends_like_an_uninterrupted_run(tmp_path):
+    flags = dict(critic="separate", save_every=2, **PPO_SMALL)
+    ppo.main(small_args(ppo, tmp_path / "full", steps=4, **flags))
+    ppo.main(small_args(ppo, tmp_path / "cut", steps=2, **flags))
+    ppo.main(small_args(ppo, tmp_path / "cut", steps=4, resume=str(tmp_path / "cut" / "run"), **flags))
+    assert without_timing(read_metrics(tmp_path / "cut" / "run")) == without_timing(read_metrics(tmp_path / "full" / "run"))
+    assert state_dicts_equal(latest_weights(tmp_path / "cut" / "run"), latest_weights(tmp_path / "full" / "run"))
+
+
+def test_adaptive_kl_controller_raises_beta_when_kl_is_above_target(tmp_path):
+    ppo.main(small_args(ppo, tmp_path, steps=3, adaptive_kl_target=1e-4, adaptive_kl_horizon=100, eval_every=0, **PPO_SMALL))
+    rows = read_metrics(tmp_path / "run")[1:]
+    # step 1 is sampled by pi_ref itself (KL 0): the error is clipped to -0.2, beta falls by 0.2 * 32 / 100
+    assert rows[0]["objective/kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 32 / 100))
+    assert rows[-1]["objective/kl_coef"] > rows[-2]["objective/kl_coef"]

@@ -15,6 +15,9 @@ Only the clip bound changes. s is the ratio, at one of two levels (--ratio-level
   sequence (the paper's main form, GSPO style): s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1/|y_i|),
            the same for every token of y_i; defaults (eps_low, eps_high_max) = (3e-3, 5e-3);
   token:   s_it = pi_theta(y_it|.) / pi_old(y_it|.); defaults (0.2, 0.28).
+The default here is the token form: on the tiny embedded model one optimiser step moves the
+sequence ratio far more than 0.5 %, so the sequence form clips most of the second pass (measured,
+default flags, 200 steps: eval pass@1 0.74 with --ratio-level sequence, 0.87 with token).
 Non-binary rewards in [0, 1] (a generalisation, not in the paper): the learning signal
 (k - c) / (k - 1) = A_i k / (k - 1) for binary rewards, so eps_high_i uses clamp(A_i k / (k - 1), 0, 1).
 
@@ -25,7 +28,7 @@ clip fraction by c.
 Run:
     python gapo.py                                        # the embedded job, offline
     python gapo.py --task reverse-long                    # a hard task (base pass@1 of a few %)
-    python gapo.py --ratio-level token                    # per-token ratios, (0.2, 0.28)
+    python gapo.py --ratio-level sequence                 # the paper's main form, (3e-3, 5e-3)
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ class Args:
     """optimisation passes over each batch, pi_old fixed; 2 by default so that the adaptive bound acts"""
     minibatches: int = 1
     """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
-    ratio_level: Literal["sequence", "token"] = "sequence"
-    """sequence: length-normalised sequence ratio (the paper's main form); token: per-token ratio"""
+    ratio_level: Literal["sequence", "token"] = "token"
+    """token: per-token ratio; sequence: length-normalised sequence ratio (the paper's main form)"""
     eps_low: float | None = None
     """lower clip range, and the upper one of completions with A <= 0 (default: 3e-3 sequence, 0.2 token)"""
     eps_high_max: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -25,20 +26,23 @@ class Job:
 
 def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, dict]:
     """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads.
-    Returns {name: {"rows": metrics rows, "wall_s": seconds}}."""
+    Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 
     def one(job: Job) -> tuple[str, dict]:
         run_dir = ROOT / output_dir / job.name
-        done = run_dir / "done"
+        done = run_dir / "done.json"
         if not done.exists():
             t0 = time.time()
-            subprocess.run([sys.executable, job.script, *job.flags, "--output-dir", output_dir, "--run-name", job.name],
-                           cwd=ROOT, check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           env={**os.environ, "OMP_NUM_THREADS": threads})
-            done.write_text(f"{time.time() - t0:.1f}\n")
-            print(f"  {job.name}: {float(done.read_text()):.0f}s", flush=True)
-        return job.name, {"rows": read_metrics(run_dir), "wall_s": float(done.read_text())}
+            proc = subprocess.Popen([sys.executable, job.script, *job.flags, "--output-dir", output_dir, "--run-name", job.name],
+                                    cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    env={**os.environ, "OMP_NUM_THREADS": threads})
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
+            if status != 0:
+                raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {status}")
+            done.write_text(json.dumps({"wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024}) + "\n")
+            print(f"  {job.name}: {json.loads(done.read_text())['wall_s']:.0f}s", flush=True)
+        return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(one, jobs))

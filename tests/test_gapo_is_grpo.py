@@ -73,7 +73,7 @@ def test_gapo_with_eps_high_max_equal_to_eps_low_is_grpo_without_std_scaling(tin
 
 
 def test_gapo_smoke_run_logs_clip_fraction_by_c(tmp_path):
-    gapo.main(small_args(gapo, tmp_path, steps=2, num_iterations=2, prompts_per_step=16))
+    gapo.main(small_args(gapo, tmp_path, steps=2, num_iterations=2, prompts_per_step=16, ratio_level="sequence"))
     rows = read_metrics(tmp_path / "run")
     by_c = [k for k in rows[1] if k.startswith("clip/frac_c")]
     assert by_c and all(0.0 <= rows[1][k] <= 1.0 for k in by_c)

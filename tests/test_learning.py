@@ -9,10 +9,11 @@ from conftest import small_args
 import gapo
 import grpo
 import is_grpo
+import ppo
 from common.logging import read_metrics
 
 
-@pytest.mark.parametrize("script", [grpo, gapo, is_grpo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("script", [grpo, ppo, gapo, is_grpo], ids=lambda m: m.__name__)
 def test_algorithm_learns_the_embedded_task(tmp_path, script):
     script.main(small_args(script, tmp_path, steps=30, prompts_per_step=32, num_generations=8, eval_every=0,
                            eval_prompts=64, eval_samples=8, eval_k=8))

@@ -85,8 +85,8 @@ class Args:
     trust_remote_code: bool = False
     """let transformers run code shipped with a hub model"""
     # ---------------------------------------------------------------- rollout
-    steps: int = 200
-    """PPO iterations; each samples a fresh batch of prompts"""
+    steps: int = 100
+    """PPO iterations; each samples a fresh batch of prompts (16 optimiser steps each by default)"""
     prompts_per_step: int = 256
     """prompts per step (global, over all processes); one completion each by default"""
     num_generations: int = 1
@@ -96,7 +96,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the training forward divides logits by it too"""
     # ---------------------------------------------------------------- algorithm
-    lr: float = 2e-4
+    lr: float = 1e-4
     """AdamW learning rate for the policy and the critic"""
     ppo_epochs: int = 4
     """passes over each batch"""

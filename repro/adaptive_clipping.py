@@ -2,8 +2,9 @@
 
     python repro/adaptive_clipping.py       # 9 runs, two at a time: ~15 minutes on 2 CPU cores
 
-Task `reverse-long` (5-7 digits; the base model samples the right answer a few % of the time),
---num-iterations 2 so that clipping binds, the same prompts, G and steps for every arm, 3 seeds:
+Task `reverse-long` (4-6 digits; the base model samples the right answer about 8 % of the time),
+--num-iterations 2 so that clipping binds, the same prompts, G, steps and learning rate (1e-3:
+the hard task needs the larger step) for every arm, 3 seeds:
   GRPO             std-normalised advantages, eps_low = eps_high = 0.2 (token ratios)
   GRPO, no std     the same without the std division: isolates GAPO's clip bound
   GAPO (token)     no std division, eps_low 0.2, eps_high(c) from 0.2 (c = k) to 0.28 (c = 1)
@@ -34,7 +35,7 @@ class Args:
     workers: int = 2
     output_dir: str = "runs/repro_adaptive_clipping"
     flags: list[str] = field(default_factory=lambda: ["--task", "reverse-long", "--num-iterations", "2", "--steps", "200",
-                                                      "--eval-every", "20"])
+                                                      "--lr", "1e-3", "--eval-every", "20"])
     """flags given to every run"""
 
 

@@ -2,7 +2,8 @@
 
     python repro/ppo_vs_grpo.py             # 6 runs one after another: ~20 minutes on 2 CPU cores
 
-Both sample 256 completions per step for 200 steps (GRPO: 32 prompts x 8; PPO: 256 prompts x 1),
+Both sample 256 completions per step (GRPO: 32 prompts x 8; PPO: 256 prompts x 1), each with its
+default flags (GRPO 200 steps of one optimiser step; PPO 100 steps of 4 epochs x 4 minibatches),
 3 seeds each, one run at a time so that wall times and peak memory are the process's own.
 Reports pass@1 against completions sampled and against wall time, peak resident memory of the
 training process, and the parameters each method trains and holds. Writes

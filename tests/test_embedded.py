@@ -1,14 +1,13 @@
 """The embedded default: character tokenizer, deterministic warm start, shipped base models."""
 
 import pytest
-import torch
+from conftest import state_dicts_equal
 
 from common.cli import ConfigError
 from common.embedded import build
 from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
 from common.rollout import evaluate
 from common.tasks import load_task
-from conftest import state_dicts_equal
 
 
 def test_character_tokenizer_round_trips_and_pads_left(tokenizer):

@@ -6,17 +6,16 @@ import subprocess
 import sys
 import time
 
+import conftest
 import pytest
 import torch
-import conftest
 from conftest import CHAT_TEMPLATE, ROOT, latest_weights, run_script, state_dicts_equal, without_timing
 
 import grpo
 from common.cli import ConfigError
-from common.losses import aggregate, group_advantages
 from common.logging import read_metrics
+from common.losses import aggregate, group_advantages
 from common.rollout import rollout, token_logprobs
-
 
 
 def small_args(tmp_path, **overrides) -> grpo.Args:

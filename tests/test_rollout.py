@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import CHAT_TEMPLATE
 
 from common.rollout import completion_mask, encode_prompts, pass_at_k, rollout, row_uniforms, sample, token_logprobs

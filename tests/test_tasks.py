@@ -6,7 +6,7 @@ from decimal import Decimal
 import pytest
 
 from common.cli import ConfigError
-from common.tasks import (digit_match_reward, exact_match_reward, extract_number, gsm8k_reward, load_task)
+from common.tasks import digit_match_reward, exact_match_reward, extract_number, gsm8k_reward, load_task
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},

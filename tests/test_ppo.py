@@ -1,10 +1,13 @@
 """ppo.py: GAE, value clipping, KL-in-reward placement, explained variance, and the script end to end."""
 
+import sys
+
 import pytest
 import torch
-from conftest import latest_weights, small_args, state_dicts_equal, without_timing
+from conftest import latest_weights, run_script, small_args, state_dicts_equal, without_timing
 
 import ppo
+from common.cli import ConfigError
 from common.logging import read_metrics
 
 
@@ -108,3 +111,27 @@ def test_adaptive_kl_controller_raises_beta_when_kl_is_above_target(tmp_path):
     # step 1 is sampled by pi_ref itself (KL 0): the error is clipped to -0.2, beta falls by 0.2 * 32 / 100
     assert rows[0]["objective/kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 32 / 100))
     assert rows[-1]["objective/kl_coef"] > rows[-2]["objective/kl_coef"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(kl_coef=-0.1), "--kl-coef must be >= 0"),
+    (dict(cliprange=1.5), "--cliprange must be in \\(0, 1\\)"),
+    (dict(task="sort"), "--task 'sort' is not one of"),
+    (dict(lam=1.5), "--gamma and --lam must be in \\[0, 1\\]"),
+    (dict(minibatches=100), "--minibatches must be in \\[1, 32\\]"),
+])
+def test_ppo_refuses_bad_input_before_building_a_model(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    args = {**PPO_SMALL, **overrides}
+    with pytest.raises(ConfigError, match=message):
+        ppo.main(small_args(ppo, tmp_path, **args))
+
+
+def test_ppo_runs_under_accelerate_with_two_processes(tmp_path):
+    out = run_script(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "ppo.py",
+                     "--steps", "2", "--prompts-per-step", "32", "--minibatches", "2", "--ppo-epochs", "2",
+                     "--eval-prompts", "16", "--eval-samples", "4", "--eval-k", "2", "--device", "cpu",
+                     "--output-dir", str(tmp_path), "--run-name", "run", timeout=600, env_extra={"OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["policy/ratio_mean"] > 0

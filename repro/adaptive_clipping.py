@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tyro
-from runner import ROOT, Job, evals, mean_over_steps, mean_sd, pyplot, run_jobs, smooth
+from runner import Job, evals, mean_over_steps, mean_sd, pyplot, run_jobs, save_table, smooth
 
 ARMS = {
     "GRPO": ("grpo.py", ["--eps-low", "0.2", "--eps-high", "0.2"]),
@@ -69,10 +69,7 @@ def main(args: Args) -> None:
             if all(f == f for f in fracs):  # this c occurred in every run (nan otherwise)
                 lines.append(f"| {c} | {mean_sd(fracs)} | {mean_sd(devs)} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "repro" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adaptive_clipping.md").write_text(text)
+    out = save_table("adaptive_clipping", text)
     plt = pyplot()
     if plt is None:
         return

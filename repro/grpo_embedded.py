@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tyro
-from runner import ROOT, Job, evals, pyplot, run_jobs
+from runner import Job, evals, pyplot, run_jobs, save_table
 
 
 @dataclass
@@ -38,10 +38,7 @@ def main(args: Args) -> None:
         curve = evals(runs[f"{task}_s{args.seeds[0]}"]["rows"])
         lines.append(f"- {task}: " + ", ".join(f"{r['step']}: {r['eval/pass@1']:.2f}" for r in curve))
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "repro" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "grpo_embedded.md").write_text(text)
+    out = save_table("grpo_embedded", text)
     plt = pyplot()
     if plt is None:
         return

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tyro
-from runner import ROOT, Job, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs, smooth
+from runner import Job, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs, save_table, smooth
 
 ARMS = {
     "GRPO (group std)": ("grpo.py", []),
@@ -55,10 +55,7 @@ def main(args: Args) -> None:
                      f"{mean_sd([mean_over_steps(r, 'frac_reward_zero_std') for r in rows])} | {len(reached)}/{len(rows)} |")
         curves[arm] = rows
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "repro" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "normalisation.md").write_text(text)
+    out = save_table("normalisation", text)
     plt = pyplot()
     if plt is None:
         return

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import tyro
-from runner import ROOT, Job, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs
+from runner import Job, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs, save_table
 
 ARMS = {
     "GRPO": ("grpo.py", []),
@@ -70,10 +70,7 @@ def main(args: Args) -> None:
                      f"{mean_sd([mean_over_steps(r, 'frac_reward_zero_std') for r in rows])} | "
                      f"{mean_sd([mean_over_steps(r, 'value/explained_variance') for r in rows])} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = ROOT / "repro" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ppo_vs_grpo.md").write_text(text)
+    out = save_table("ppo_vs_grpo", text)
     plt = pyplot()
     if plt is None:
         return

@@ -71,6 +71,15 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
 
 
+def save_table(name: str, text: str) -> Path:
+    """Print the table and write it to repro/results/<name>.md; returns the results directory."""
+    print(text)
+    out = ROOT / "repro" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    return out
+
+
 def pyplot():
     """matplotlib.pyplot with a file backend, or None if matplotlib is not installed."""
     try:

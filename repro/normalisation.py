@@ -49,7 +49,7 @@ def main(args: Args) -> None:
         rows = [runs[n]["rows"] for n in names]
         reach = [first_step_reaching(r, "eval/pass@1", args.threshold) for r in rows]
         reached = [s for s in reach if s is not None]
-        lines.append(f"| {arm} | {mean_sd(reached)} | {mean_sd([s * completions_per_step for s in reached])} | "
+        lines.append(f"| {arm} | {mean_sd(reached, 'never')} | {mean_sd([s * completions_per_step for s in reached], 'never')} | "
                      f"{mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])} | "
                      f"{mean_sd([mean_over_steps(r, 'reward/group_std_mean') for r in rows])} | "
                      f"{mean_sd([mean_over_steps(r, 'frac_reward_zero_std') for r in rows])} | {len(reached)}/{len(rows)} |")

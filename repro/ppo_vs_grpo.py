@@ -59,8 +59,8 @@ def main(args: Args) -> None:
         seconds = [time_at(r, s) for r, s in zip(rows, reach) if s is not None]
         lines.append(
             f"| {arm} | {mean_sd([evals(r)[0]['eval/pass@1'] for r in rows])} | {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])} | "
-            f"{mean_sd([evals(r)[-1]['eval/pass@k'] for r in rows])} | {mean_sd([s * per_step for s in reach if s is not None])} | "
-            f"{mean_sd(seconds)} | {mean_sd([runs[n]['wall_s'] for n in names])} | {mean_sd([runs[n]['peak_rss_mb'] for n in names])} | "
+            f"{mean_sd([evals(r)[-1]['eval/pass@k'] for r in rows])} | {mean_sd([s * per_step for s in reach if s is not None], 'never')} | "
+            f"{mean_sd(seconds, 'never')} | {mean_sd([runs[n]['wall_s'] for n in names])} | {mean_sd([runs[n]['peak_rss_mb'] for n in names])} | "
             f"{counts[arm][0]:,} / {counts[arm][1]:,} | {mean_sd([update_noise(r) for r in rows])} |")
     lines += ["", "Diagnostics averaged over steps and seeds:", "", "| method | policy/clip_frac (low + high) | policy/approx_kl | "
               "frac_reward_zero_std | value/explained_variance |", "|---|---|---|---|---|"]

@@ -62,10 +62,11 @@ def mean_over_steps(rows: list[dict], key: str) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def mean_sd(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
+def mean_sd(values: list[float], missing: str = "–") -> str:
+    """'mean ± sd' of the values that are there (None and NaN are dropped); `missing` if none is."""
+    values = [v for v in values if v is not None and v == v]
     if not values:
-        return "never"
+        return missing
     if len(values) == 1:
         return f"{values[0]:.3g}"
     return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"

@@ -22,7 +22,9 @@ equal carry no gradient; drawing them less often wastes less compute.
 sigma_hat_x is the std of the rewards of x's group on its last visits (an exponential average,
 --sigma-decay), --sigma-init for prompts never drawn, and at least --sigma-floor, so that a prompt
 whose group was all-equal is still drawn now and then and its estimate can recover. Prompts are
-drawn with replacement (independent draws are what the identity above needs).
+drawn with replacement (independent draws are what the identity above needs). With the full
+5,000-prompt embedded pool most prompts are drawn once at most in 200 steps, so sampling stays close
+to uniform; the estimates matter when prompts are revisited (`--train-size 512`, or several epochs).
 Ablation (--prompt-weighting): uniform prompts as in grpo.py, each group's advantages multiplied by
 sigma_x / mean(sigma) over the batch, which turns (R - mean) / sigma_x into (R - mean) / mean(sigma):
 batch-std normalisation, the same expected direction without changing which prompts are drawn.

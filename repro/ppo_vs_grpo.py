@@ -49,7 +49,7 @@ def main(args: Args) -> None:
     per_step = 256
     lines = [f"| method | base pass@1 | final pass@1 | final pass@8 | completions to pass@1 {args.threshold} | "
              f"seconds to {args.threshold} | wall time (s) | peak memory (MB) | trainable / held parameters | "
-             "mean reward std across updates |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "std of step-to-step train-reward change |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows_of = {}
     for arm, (script, _) in ARMS.items():
         names = [f"{script[:-3]}_s{seed}" for seed in args.seeds]

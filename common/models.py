@@ -57,9 +57,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
 
 
 def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.pad_token_id
-    return model
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

@@ -12,6 +12,7 @@ takes 1-3 minutes per task on one CPU core.
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import time
@@ -33,6 +34,15 @@ def tiny_llama_config(tokenizer, hidden: int = 64, layers: int = 2) -> LlamaConf
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
+
+
+def save_char_tokenizer(tokenizer, out_dir: Path) -> None:
+    """save_pretrained, naming the class that transformers 4.x and 5.x both load."""
+    tokenizer.save_pretrained(out_dir)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def warm_start_batch(task: str, tokenizer, batch_size: int, rng: random.Random, exclude: set[str]):
@@ -80,7 +90,7 @@ def build(task: str, out_dir: Path, steps: int | None = None, batch_size: int = 
         out_dir.mkdir(parents=True, exist_ok=True)
         model.generation_config.do_sample = True
         model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+        save_char_tokenizer(tokenizer, out_dir)
         return loss.item()
     finally:
         torch.set_num_threads(threads)

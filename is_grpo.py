@@ -277,10 +277,7 @@ def main(args: Args) -> None:
     check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
-    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts)
-    check(args.train_size is None or 1 <= args.train_size <= len(task.train),
-          f"--train-size must be in [1, {len(task.train)}] for --task {args.task} (got {args.train_size})")
-    task.train = task.train.select(range(args.train_size or len(task.train)))
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task)

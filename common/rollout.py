@@ -61,14 +61,9 @@ def _accepts(model, name: str) -> bool:
     return name in inspect.signature(getattr(model, "module", model).forward).parameters
 
 
-def _forward(model, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=None):
-    """A cached decoding step, across transformers versions: the KV cache argument is `cache` in newer releases."""
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-    if cache is not None:
-        kwargs["cache" if _accepts(model, "cache") else "past_key_values"] = cache
-    if logits_to_keep is not None and _accepts(model, "logits_to_keep"):
-        kwargs["logits_to_keep"] = logits_to_keep
-    out = model(**kwargs)
+def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
+    """A cached decoding step; returns the logits and the KV cache (`cache` in newer transformers releases)."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs)
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
@@ -80,7 +75,9 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits, cache = _forward(model, prompt_ids, mask, position, logits_to_keep=1)
+    cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"  # transformers 5 renamed it
+    prefill = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs = [], []
@@ -99,7 +96,7 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
         position = position[:, -1:] + 1
-        logits, cache = _forward(model, token, mask, position, cache=cache)
+        logits, cache = _forward(model, token, mask, position, **{cache_kw: cache})
     return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
 
 
@@ -167,7 +164,8 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     from accelerate.utils import gather_object
 
     idx = list(range(rank, len(task.test), world))
-    prompts, answers = [task.test[i]["prompt"] for i in idx], [task.test[i]["answer"] for i in idx]
+    shard = task.test.select(idx)
+    prompts, answers = list(shard["prompt"]), list(shard["answer"])
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
                       [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device)
     rewards = task.reward(sampled.texts, [a for a in answers for _ in range(n)])

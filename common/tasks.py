@@ -199,11 +199,19 @@ def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int)
     return Task("gsm8k", Dataset.from_list(train), Dataset.from_list(test), gsm8k_reward, max_new_tokens=256)
 
 
-def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128) -> Task:
+def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128,
+              train_size: int | None = None) -> Task:
+    """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often)."""
     if name not in TASKS:
         raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
     if name in EMBEDDED_TASKS:
         if data_path is not None:
             raise ConfigError(f"--data-path is only used with --task gsm8k, not with the embedded task {name!r}")
-        return embedded_task(name, num_test)
-    return gsm8k_task(data_path, eval_data_path, num_test)
+        task = embedded_task(name, num_test)
+    else:
+        task = gsm8k_task(data_path, eval_data_path, num_test)
+    if train_size is not None:
+        if not 1 <= train_size <= len(task.train):
+            raise ConfigError(f"--train-size must be in [1, {len(task.train)}] for --task {name} (got {train_size})")
+        task.train = task.train.select(range(train_size))
+    return task

@@ -100,3 +100,9 @@ def test_embedded_tasks_are_fixed_and_held_out(name):
     assert a.test["prompt"] == b.test["prompt"] and a.train["prompt"][:50] == b.train["prompt"][:50]
     assert not set(a.test["prompt"]) & set(a.train["prompt"])
     assert a.reward(a.test["answer"][:5], a.test["answer"][:5]) == [1.0] * 5
+
+
+def test_train_size_keeps_the_first_prompts_and_is_checked():
+    assert load_task("reverse", train_size=16).train["prompt"] == load_task("reverse").train["prompt"][:16]
+    with pytest.raises(ConfigError, match="--train-size must be in"):
+        load_task("reverse", train_size=0)

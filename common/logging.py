@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 
@@ -43,6 +44,15 @@ class MetricsWriter:
                 self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def histogram(self, step: int, key: str, values) -> None:
+        """A distribution (TensorBoard and wandb only; metrics.jsonl keeps scalars)."""
+        if self.tensorboard is not None:
+            self.tensorboard.add_histogram(key, np.asarray(list(values), dtype=np.float64), step)
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({key: wandb.Histogram(list(values))}, step=step)
 
     def close(self) -> None:
         self.file.close()

@@ -1,0 +1,620 @@
+"""Asynchronous GRPO: a generation thread samples with lagged weights while the learner trains.
+
+The generator keeps its own copy of the policy. It samples whole steps' batches of groups (GRPO's
+prompts and noise keys for that step), tags each with the policy VERSION that made it (the number
+of learner steps behind its weights) and the behaviour log-probs log mu, and puts them in a
+bounded queue. The learner trains on the next batch and publishes its weights every --sync-every
+steps. A batch trained at learner step t (learner version t - 1) has
+
+    staleness = (t - 1) - version                       (0 is grpo.py: sampled by the weights it trains)
+
+--max-staleness K paces the generator: it waits rather than start a batch whose staleness could
+exceed K (nothing is dropped; dropping favours fast, short rollouts). --drop-stale instead lets it
+run free and the learner drops batches older than K. --mode emulated is the reproducible
+experiment: no thread; batch t is sampled from exactly version max(t - 1 - K, 0), so
+--max-staleness 0 --mode emulated is grpo.py, bit for bit.
+
+The objective is GRPO's with an off-policy correction (--correction). mu = behaviour policy (the
+sampler's weights), pi_old = the learner's weights before this update (recomputed by the learner),
+A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = pi_old / mu:
+
+    none       min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)            the "bypass": ratio to mu
+    tis        min(w, C) * min(u A, clip(u, 1 - eps_low, 1 + eps_high) A)        truncated IS, C = --tis-cap
+    decoupled  w * min(u A, clip(u, ...) A), w truncated at --decoupled-cap if set  (AReaL, arXiv:2505.24298)
+    m2po       M * r A, no clip: M drops the tokens with the largest (log pi_old / mu)^2 until the
+               mean of the rest is <= --m2po-threshold               (M2PO, Zheng et al. 2025, arXiv:2510.01161)
+
+minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg. Masked tokens (m2po) leave the
+denominator too, so the kept tokens are not up-weighted. On a batch of staleness 0 mu is pi_old.
+
+Run:
+    python async_grpo.py                                          # threaded, K = 1, the embedded job
+    python async_grpo.py --mode emulated --max-staleness 4 --correction decoupled
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from common.checkpoint import (
+    GracefulStop,
+    find_checkpoint,
+    load_state,
+    run_dir_of,
+    save_checkpoint,
+)
+from common.cli import check, run
+from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.models import (
+    eos_token_ids,
+    load_model,
+    load_reference,
+    load_tokenizer,
+    resolve_model,
+)
+from common.rollout import Rollout, evaluate, rollout, token_logprobs
+from common.tasks import load_task
+
+
+@dataclass
+class Args:
+    # ---------------------------------------------------------------- experiment
+    seed: int = 0
+    """seed of the prompt order, the sampling noise and the model's initial state"""
+    run_name: str | None = None
+    """name of the run directory under --output-dir (default: async_grpo__<task>__s<seed>__<unix time>)"""
+    output_dir: str = "runs"
+    """where runs are written: <output-dir>/<run-name>/{args.json, metrics.jsonl, checkpoints/}"""
+    resume: str | None = None
+    """resume from a run directory (its latest checkpoint) or a checkpoint directory; other flags must match the run"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: what accelerate picks (a GPU if there is one)"""
+    # ---------------------------------------------------------------- model and task
+    model: str = "embedded"
+    """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
+    task: str = "reverse"
+    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    data_path: str | None = None
+    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    train_size: int | None = None
+    """use only the first N training prompts (default: all); a small pool is revisited often"""
+    eval_data_path: str | None = None
+    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the models are loaded in"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with a hub model"""
+    # ---------------------------------------------------------------- rollout
+    steps: int = 200
+    """optimisation steps; each trains on one batch from the generator"""
+    prompts_per_step: int = 32
+    """prompts per step"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (a group)"""
+    max_new_tokens: int | None = None
+    """completion budget (default: the task's)"""
+    temperature: float = 1.0
+    """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    # ---------------------------------------------------------------- asynchrony
+    mode: Literal["threaded", "emulated"] = "threaded"
+    """threaded: a generation thread overlaps with training; emulated: no thread, batch t from exactly version t-1-K"""
+    max_staleness: int = 1
+    """K: no batch is trained more than K versions after the weights that sampled it"""
+    drop_stale: bool = False
+    """threaded only: let the generator run free (bounded by --queue-size) and drop batches staler than K, instead of pacing it"""
+    sync_every: int = 1
+    """threaded only: publish the learner's weights to the generator every this many steps (at most K + 1)"""
+    queue_size: int = 2
+    """threaded only: finished batches that may wait for the learner"""
+    generator_threads: int | None = None
+    """intra-op CPU threads of the generation thread (default: half the cores in threaded mode; emulated: torch's default)"""
+    learner_threads: int | None = None
+    """intra-op CPU threads of the learner (default: the other half in threaded mode; emulated: torch's default)"""
+    # ---------------------------------------------------------------- algorithm
+    correction: Literal["none", "tis", "decoupled", "m2po"] = "tis"
+    """off-policy correction for stale batches (see the docstring)"""
+    tis_cap: float = 2.0
+    """C of tis: the behaviour weight pi_old / mu is truncated at C"""
+    decoupled_cap: float | None = None
+    """decoupled: truncate the behaviour weight at this value (default: no truncation)"""
+    m2po_threshold: float = 0.04
+    """tau of m2po: tokens are masked until the mean (log pi_old / mu)^2 of the rest is <= tau"""
+    lr: float = 5e-4
+    """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
+    num_iterations: int = 1
+    """optimisation passes over each batch, pi_old fixed; > 1 makes the clip on u bind"""
+    minibatches: int = 1
+    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    eps_low: float = 0.2
+    """lower clip range: ratios below 1 - eps_low are clipped when A < 0"""
+    eps_high: float = 0.2
+    """upper clip range: ratios above 1 + eps_high are clipped when A > 0 (DAPO clip-higher: 0.28)"""
+    beta: float = 0.04
+    """KL coefficient against the reference model; 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """estimator of KL(pi_theta || pi_ref) per token (k3 in the paper)"""
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping by global norm"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    # ---------------------------------------------------------------- evaluation and logging
+    eval_every: int = 10
+    """evaluate every this many steps (and at step 0, the base policy, and at the last step); 0: only at the ends"""
+    eval_samples: int = 8
+    """n: samples per held-out prompt for pass@k"""
+    eval_k: int = 8
+    """k of eval/pass@k (k <= n)"""
+    eval_prompts: int = 128
+    """number of held-out prompts"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end, and on Ctrl-C)"""
+    track: bool = False
+    """log to Weights & Biases (pip install -e '.[track]')"""
+    wandb_project: str = "postrl"
+    """W&B project"""
+
+
+# Flags that may differ between a run and its resumption.
+RESUMABLE = {"resume", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
+             "generator_threads", "learner_threads", "queue_size"}
+
+
+def check_args(args: Args, num_processes: int) -> None:
+    check(num_processes == 1, f"async_grpo.py runs as one process (a learner and a generation thread); "
+                              f"it was launched as {num_processes}: run it without `accelerate launch --num_processes`")
+    check(args.num_generations >= 2, f"--num-generations must be at least 2 (got {args.num_generations}): "
+                                     "a group needs two completions to have a baseline")
+    check(args.max_staleness >= 0, f"--max-staleness must be >= 0 (got {args.max_staleness})")
+    check(args.sync_every >= 1, f"--sync-every must be >= 1 (got {args.sync_every})")
+    check(args.mode == "threaded" or (args.sync_every == 1 and not args.drop_stale),
+          "--sync-every and --drop-stale apply to --mode threaded (emulated mode samples from exactly version t-1-K)")
+    check(args.drop_stale or args.sync_every <= args.max_staleness + 1,
+          f"--sync-every ({args.sync_every}) must be at most --max-staleness + 1 ({args.max_staleness + 1}): with "
+          "weights published less often the paced generator could never start a batch within K versions")
+    check(args.queue_size >= 1, f"--queue-size must be >= 1 (got {args.queue_size})")
+    for flag, value in (("--generator-threads", args.generator_threads), ("--learner-threads", args.learner_threads)):
+        check(value is None or value >= 1, f"{flag} must be >= 1 (got {value})")
+    check(args.tis_cap >= 1, f"--tis-cap must be >= 1 (got {args.tis_cap})")
+    check(args.decoupled_cap is None or args.decoupled_cap >= 1, f"--decoupled-cap must be >= 1 (got {args.decoupled_cap})")
+    check(args.m2po_threshold > 0, f"--m2po-threshold must be > 0 (got {args.m2po_threshold})")
+    check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
+    check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
+    check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
+    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
+    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
+    check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
+    check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    check(args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1 (got {args.prompts_per_step})")
+    rows = args.prompts_per_step * args.num_generations
+    check(1 <= args.minibatches <= rows, f"--minibatches must be in [1, {rows}] (the completions per step), got {args.minibatches}")
+    check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
+    check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
+          "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
+    check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
+    check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
+
+
+def check_resume(args: Args, run_dir: Path) -> None:
+    saved = json.loads((run_dir / "args.json").read_text())
+    for key, value in asdict(args).items():
+        check(key in RESUMABLE or saved.get(key) == value,
+              f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
+
+
+# ---------------------------------------------------------------- the generator side
+@dataclass
+class Batch:
+    """One step's groups, as the generator hands them to the learner."""
+    index: int  # generator batch number s: its prompts and noise keys are grpo.py's step s
+    version: int  # policy version (learner steps) of the weights that sampled it
+    rollout: Rollout
+    rewards: torch.Tensor  # (P * G,) laid out group by group
+    rollout_s: float  # time spent sampling and scoring it
+    wait_s: float = 0.0  # time the generator waited (pacing or a full queue) before it could hand it over
+
+
+def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device) -> Batch:
+    """Batch s: the prompts grpo.py draws at step s, G completions each, keys (seed, s, prompt, g)."""
+    t0 = time.perf_counter()
+    chosen = np.random.default_rng([args.seed, index]).choice(len(task.train), args.prompts_per_step, replace=False)
+    rows = task.train.select(chosen.tolist())
+    G = args.num_generations
+    prompts = [p for p in rows["prompt"] for _ in range(G)]
+    answers = [a for a in rows["answer"] for _ in range(G)]
+    keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
+    out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device)
+    rewards = torch.tensor(task.reward(out.texts, answers), device=device)
+    return Batch(index, version, out, rewards, time.perf_counter() - t0)
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    """A private copy of the weights: what the generator loads can never be half-updated."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies are complete before another thread's stream reads them
+    return state
+
+
+class WeightBoard:
+    """The learner posts whole snapshots with their version; the generator takes the latest one."""
+
+    def __init__(self, state: dict, version: int):
+        self.state, self.version = state, version
+        self.changed = threading.Condition()
+
+    def publish(self, state: dict, version: int) -> None:
+        with self.changed:
+            self.state, self.version = state, version
+            self.changed.notify_all()
+
+    def latest(self, min_version: int, stop: threading.Event) -> tuple[dict, int]:
+        """The latest snapshot, waiting until its version is at least min_version (or stop is set)."""
+        with self.changed:
+            while self.version < min_version and not stop.is_set():
+                self.changed.wait(timeout=0.1)
+            return self.state, self.version
+
+
+class GeneratorThread:
+    """Samples batch after batch with its own copy of the policy, paced so that batch s (trained at
+    learner step s, learner version s - 1) comes from version >= s - 1 - K."""
+
+    def __init__(self, model, board: WeightBoard, first_index: int, args: Args, make_batch, num_threads: int | None):
+        self.model, self.board, self.args, self.make_batch, self.num_threads = model, board, args, make_batch, num_threads
+        self.queue: queue.Queue[Batch] = queue.Queue(maxsize=args.queue_size)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, args=(first_index,), name="generator", daemon=True)
+
+    def _loop(self, index: int) -> None:
+        try:
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)  # per thread: the OpenMP pool size of this thread
+            stream = torch.cuda.Stream() if next(self.model.parameters()).is_cuda else None
+            version, waited = None, 0.0
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                lowest = -1 if self.args.drop_stale else index - 1 - self.args.max_staleness  # the pacing rule
+                state, latest = self.board.latest(lowest, self.stop)
+                if self.stop.is_set():
+                    return
+                if latest != version:  # between batches only: a batch is sampled by one set of weights
+                    self.model.load_state_dict(state)
+                    version = latest
+                waited += time.perf_counter() - t0
+                with torch.cuda.stream(stream) if stream else nullcontext():
+                    batch = self.make_batch(self.model, index, version)
+                t0 = time.perf_counter()
+                batch.wait_s = waited
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                waited = time.perf_counter() - t0  # a full queue is waiting too; it counts for the next batch
+                index += 1
+        except BaseException as e:  # noqa: BLE001 -- handed to the learner, which re-raises it
+            self.error = e
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def get(self) -> Batch:
+        """The next batch; re-raises a generator failure within a tenth of a second."""
+        while True:
+            if self.error is not None:
+                raise RuntimeError("the generation thread failed (its traceback is above)") from self.error
+            try:
+                return self.queue.get(timeout=0.1)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.error is None:
+                    raise RuntimeError("the generation thread stopped without a batch") from None
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+
+class EmulatedGenerator:
+    """No thread: batch t is sampled, when asked for, from exactly version max(t - 1 - K, 0)."""
+
+    def __init__(self, model, lagged: dict[int, dict], args: Args, make_batch):
+        self.model, self.args, self.make_batch = model, args, make_batch
+        self.lagged = deque(sorted(lagged.items()))  # (version, snapshot), oldest first; the last K + 1 versions
+
+    def publish(self, state: dict, version: int) -> None:
+        self.lagged.append((version, state))
+        while len(self.lagged) > self.args.max_staleness + 1:
+            self.lagged.popleft()
+
+    def get(self, step: int) -> Batch:
+        version, state = self.lagged[0]
+        assert version == max(step - 1 - self.args.max_staleness, 0), (version, step)
+        self.model.load_state_dict(state)
+        return self.make_batch(self.model, step, version)
+
+
+# ---------------------------------------------------------------- the off-policy corrected objective
+def m2po_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's token mask: drop the tokens with the largest second moment (log pi_old / mu)^2, largest
+    first, until the mean over the kept tokens is <= threshold. Returns 1 = kept, 0 = masked."""
+    m2 = (log_w**2)[mask.bool()]
+    n = len(m2)
+    sorted_m2, order = torch.sort(m2, descending=True)
+    dropped_sum = torch.cat([m2.new_zeros(1), torch.cumsum(sorted_m2, 0)[:-1]])  # the j largest, j = 0..n-1
+    kept_mean = (m2.sum() - dropped_sum) / torch.arange(n, 0, -1, device=m2.device)  # M2 of the other n - j
+    within = torch.nonzero(kept_mean <= threshold)
+    n_drop = int(within[0]) if len(within) else n  # the fewest drops that satisfy the threshold
+    keep = torch.ones_like(m2)
+    keep[order[:n_drop]] = 0.0
+    out = torch.zeros_like(log_w)
+    out[mask.bool()] = keep
+    return out
+
+
+def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens):
+    """Per-token corrected surrogate plus beta * KL, aggregated with the whole batch's counts.
+    `mask` is the training mask (completion tokens, times M for m2po)."""
+    A = advantages[:, None]
+    w = torch.exp(old_logps - behav_logps)  # behaviour weight pi_old / mu (no gradient: both are fixed)
+    if args.correction in ("none", "m2po"):
+        ratio = torch.exp(logps - behav_logps)  # r = pi_theta / mu
+    else:
+        ratio = torch.exp(logps - old_logps)  # u = pi_theta / pi_old; == 1 on the first pass
+    if args.correction == "m2po":
+        surrogate = ratio * A  # no clip: the mask is the trust region
+    else:
+        surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
+    if args.correction == "tis":
+        surrogate = torch.clamp(w, max=args.tis_cap) * surrogate
+    elif args.correction == "decoupled":
+        surrogate = (w if args.decoupled_cap is None else torch.clamp(w, max=args.decoupled_cap)) * surrogate
+    per_token = -surrogate
+    if ref_logps is not None:
+        per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
+    loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
+        m = mask.bool()
+        clip = args.correction != "m2po"
+        log_old_over_new = old_logps - logps
+        stats = {
+            "ratio": ratio[m].sum(),
+            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "clip_low": ((ratio < 1 - args.eps_low) & (A < 0) & clip)[m].sum(),
+            "clip_high": ((ratio > 1 + args.eps_high) & (A > 0) & clip)[m].sum(),
+            "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
+            "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
+        }
+    return loss, stats
+
+
+def behaviour_diagnostics(old_logps, behav_logps, mask) -> dict[str, float]:
+    """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens."""
+    m = mask.bool()
+    log_w = (old_logps - behav_logps)[m]
+    w = log_w.exp()
+    return {
+        "offpolicy/behaviour_ratio_mean": w.mean().item(),
+        "offpolicy/behaviour_ratio_max": w.max().item(),
+        "offpolicy/behaviour_ratio_std": w.std().item() if len(w) > 1 else 0.0,
+        "offpolicy/behaviour_kl": (torch.expm1(log_w) - log_w).mean().item(),  # k3 of KL(mu || pi_old), from samples of mu
+        "offpolicy/ess": (w.sum() ** 2 / (len(w) * (w**2).sum())).item(),  # (sum w)^2 / (n sum w^2), 1 = on-policy
+    }
+
+
+def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args) -> dict[str, float]:
+    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    pi_old is the learner's policy before the update: the first pass's log-probs. m2po needs the whole
+    batch's second moment before its first gradient, so it gets pi_old from an extra no-grad pass."""
+    mask = batch.completion_mask
+    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
+    inputs = [(batch.prompt_ids[r], batch.prompt_mask[r], batch.completion_ids[r], mask[r]) for r in chunks]
+    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    train_mask = mask.float()
+    if args.correction == "m2po":
+        with torch.no_grad():
+            old_logps = {j: token_logprobs(policy, *x, args.temperature)[0] for j, x in enumerate(inputs)}
+        old_all = torch.cat(list(old_logps.values()))
+        train_mask = m2po_mask(old_all - (batch.logprobs if stale else old_all), mask, args.m2po_threshold)
+    num_tokens = train_mask.sum()  # masked tokens leave the denominator
+    stats, grad_norms = [], []
+    for iteration in range(args.num_iterations):
+        for j, rows in enumerate(chunks):
+            logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, with_entropy=iteration == 0)
+            if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
+                old_logps.setdefault(j, logps.detach())
+                entropy += (token_entropy.detach() * mask[rows]).sum()
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            behav_logps = batch.logprobs[rows] if stale else old_logps[j]  # a batch of staleness 0: mu is pi_old
+            loss, step_stats = async_loss(logps, old_logps[j], behav_logps, ref_logps.get(j), advantages[rows],
+                                          train_mask[rows], args, mask.shape[0], num_tokens)
+            accelerator.backward(loss)
+            stats.append({**step_stats, "loss": loss.detach()})
+        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    old_all = torch.cat([old_logps[j] for j in range(len(chunks))])
+    token_passes = max(num_tokens.item(), 1) * args.num_iterations
+    metrics = {
+        "loss": sum(s["loss"] for s in stats).item() / args.num_iterations,
+        "policy/entropy": float(entropy) / mask.sum().item(),
+        "policy/ratio_mean": sum(s["ratio"] for s in stats).item() / token_passes,
+        "policy/ratio_min": torch.stack([s["ratio_min"] for s in stats]).min().item(),
+        "policy/ratio_max": torch.stack([s["ratio_max"] for s in stats]).max().item(),
+        "policy/clip_frac_low": sum(s["clip_low"] for s in stats).item() / token_passes,
+        "policy/clip_frac_high": sum(s["clip_high"] for s in stats).item() / token_passes,
+        "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
+        "policy/grad_norm": torch.stack(grad_norms).mean().item(),
+        "offpolicy/mask_frac": 1.0 - num_tokens.item() / mask.sum().item(),
+        **behaviour_diagnostics(old_all, batch.logprobs if stale else old_all, mask),
+    }
+    if ref is not None:
+        metrics["policy/kl_ref"] = float(kl_ref) / mask.sum().item()
+    return metrics
+
+
+# ---------------------------------------------------------------- the loop
+def main(args: Args) -> None:
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
+    check_args(args, accelerator.num_processes)
+    # Everything that can be wrong with the input is found before a model is built.
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
+    check(args.prompts_per_step <= len(task.train),
+          f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    model_path = resolve_model(args.model, args.task)
+    args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
+    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        check_resume(args, run_dir_of(checkpoint))
+    run_name = args.run_name or f"async_grpo__{args.task}__s{args.seed}__{int(time.time())}"
+    run_dir = run_dir_of(checkpoint) if checkpoint else Path(args.output_dir) / run_name
+
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(model_path, args.trust_remote_code)
+    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code)
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
+    eos_ids = eos_token_ids(policy, tokenizer)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    saved = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
+    start = saved["step"] + 1
+    device, G, K = accelerator.device, args.num_generations, args.max_staleness
+    writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1)
+
+    # ---- the generator: its own copy of the weights, version = learner steps behind them
+    def make_batch(model, index, version):
+        return generate(model, tokenizer, task, args, index, version, eos_ids, device)
+
+    sampler = copy.deepcopy(policy).eval()
+    version = max(start - 1, 0)
+    if args.mode == "emulated":
+        lagged = saved["extra"].get("lagged") or {version: snapshot(policy)}
+        generator = EmulatedGenerator(sampler, lagged, args, make_batch)
+    else:
+        half = max(1, torch.get_num_threads() // 2)
+        torch.set_num_threads(args.learner_threads or half)
+        generator = GeneratorThread(sampler, WeightBoard(snapshot(policy), version), max(start, 1), args, make_batch,
+                                    args.generator_threads or half)
+        generator.start()
+
+    def eval_now() -> dict:
+        return evaluate(policy, tokenizer, task, args.eval_samples, args.eval_k, args.max_new_tokens,
+                        args.temperature, eos_ids, device, args.seed)
+
+    stop = GracefulStop()
+    bar = progress_bar(args.steps, initial=max(start - 1, 0), desc=run_dir.name)
+    staleness_window, dropped = deque(maxlen=100), 0
+    try:
+        for step in range(start, args.steps + 1):
+            if step == 0:  # the base policy: every curve starts here
+                writer.log(0, eval_now())
+                continue
+            # ---- 1-3. take the next batch of scored groups (the generator drew prompts, sampled, scored)
+            t0 = time.perf_counter()
+            while True:
+                batch = generator.get(step) if args.mode == "emulated" else generator.get()
+                staleness = step - 1 - batch.version  # the learner is at version step - 1
+                if not (args.drop_stale and staleness > K):
+                    break
+                dropped += 1
+            learner_wait_s = time.perf_counter() - t0
+            assert staleness <= K or args.drop_stale, (staleness, K)
+            # ---- 4. group-relative advantages
+            rewards = batch.rewards
+            advantages = group_advantages(rewards, G, args.scale_rewards)
+            # ---- 5. optimise, 6. publish the new weights (version step) to the generator
+            t0 = time.perf_counter()
+            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, staleness > 0, args)
+            train_s = time.perf_counter() - t0
+            if args.mode == "emulated":
+                generator.publish(snapshot(policy), step)
+            elif step % args.sync_every == 0:
+                generator.board.publish(snapshot(policy), step)
+            # ---- 7. log
+            lengths = batch.rollout.completion_mask.sum(-1).float()
+            staleness_window.extend([staleness] * len(rewards))
+            rollout_s = batch.rollout_s
+            metrics.update({
+                "reward/mean": rewards.mean().item(),
+                "reward/std": rewards.std().item(),
+                "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
+                "accuracy/train": (rewards >= 1.0).float().mean().item(),
+                "frac_reward_zero_std": frac_zero_std(rewards, G),
+                "completions/mean_length": lengths.mean().item(),
+                "completions/clipped_frac": 1.0 - batch.rollout.finished.float().mean().item(),
+                "offpolicy/staleness_mean": float(staleness),  # one version per batch: mean = max for this step
+                "offpolicy/staleness_max": float(staleness),
+                "offpolicy/dropped_batches": float(dropped),
+                "time/rollout_s": rollout_s,
+                "time/train_s": train_s,
+                "time/learner_wait_s": learner_wait_s,
+                "time/generator_wait_s": batch.wait_s,
+                "time/overlap": 1.0 - min(learner_wait_s / rollout_s, 1.0),  # share of sampling hidden behind training
+                "throughput/samples_per_s": len(rewards) / (learner_wait_s + train_s),
+                "throughput/tokens_per_s": lengths.sum().item() / (learner_wait_s + train_s),
+            })
+            if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+                metrics.update(eval_now())
+            writer.log(step, metrics)
+            writer.histogram(step, "offpolicy/staleness", staleness_window)
+            bar.update(1)
+            bar.set_postfix({k: f"{metrics[k]:.2f}" for k in ("reward/mean", "eval/pass@1") if k in metrics})
+            # ---- 8. checkpoint (emulated mode keeps the lagged weights, so a resumed run samples what this one would)
+            if step % args.save_every == 0 or step == args.steps or stop.requested:
+                extra = {"lagged": dict(generator.lagged)} if args.mode == "emulated" else {}
+                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer, extra=extra)
+            if stop.requested:
+                bar.close()
+                print(f"stopped at step {step}; resume with --resume {run_dir}", file=sys.stderr)
+                sys.exit(130)
+    finally:
+        if args.mode == "threaded":
+            generator.close()
+    bar.close()
+    stop.restore()
+    writer.close()
+    print(f"run: {run_dir}")
+    rows = read_metrics(run_dir)
+    for row in rows:
+        if row["step"] in (0, args.steps):
+            print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
+                  f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+    trained = [r for r in rows if "throughput/samples_per_s" in r]
+    if trained:
+        samples = sum(args.prompts_per_step * G for _ in trained)
+        seconds = sum(r["time/learner_wait_s"] + r["time/train_s"] for r in trained)
+        print(f"throughput {samples / seconds:.1f} samples/s over {len(trained)} steps (learner wait + train time); "
+              f"mean staleness {np.mean([r['offpolicy/staleness_mean'] for r in trained]):.2f}")
+
+
+if __name__ == "__main__":
+    run(main, tyro.cli(Args))

@@ -1,6 +1,8 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,13 @@ def run_script(*argv: str, timeout: float = 300, env_extra: dict | None = None) 
     return subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def launch_two_processes(script: str, *flags: str) -> subprocess.CompletedProcess:
+    """Two CPU processes (gloo) of a script, as `accelerate launch --num_processes 2` starts them on GPUs.
+    (accelerate's launcher with --cpu starts a single process, so torch's own launcher is used here.)"""
+    return run_script(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script, *flags,
+                      timeout=600, env_extra={"OMP_NUM_THREADS": "1"})
+
+
 def without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
@@ -62,3 +71,26 @@ def without_timing(rows: list[dict]) -> list[dict]:
 def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)
+
+
+def interrupt_after(argv: list[str], run_dir: Path, steps: int = 2) -> tuple[int, str]:
+    """Start a training command, send it SIGINT (Ctrl-C) once `steps` steps are logged; its exit
+    status and stderr."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < steps + 1):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    return proc.returncode, stderr
+
+
+def assert_checkpointed_last_step(run_dir: Path) -> None:
+    """Exactly one checkpoint, of the last logged step, and loadable by transformers."""
+    from common.logging import read_metrics
+
+    last_step = read_metrics(run_dir)[-1]["step"]
+    checkpoints = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    assert [c.name for c in checkpoints] == [f"step_{last_step:06d}"]
+    assert latest_weights(run_dir).num_parameters() > 0

@@ -1,15 +1,13 @@
 """grpo.py: the objective on hand-made inputs, and the script end to end on the embedded job."""
 
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import conftest
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, ROOT, latest_weights, run_script, state_dicts_equal, without_timing
+from conftest import (CHAT_TEMPLATE, assert_checkpointed_last_step, interrupt_after, latest_weights, launch_two_processes,
+                      run_script, state_dicts_equal, without_timing)
 
 import grpo
 from common.cli import ConfigError
@@ -164,31 +162,20 @@ def test_resume_refuses_a_changed_algorithm_flag(tmp_path):
 
 
 def test_ctrl_c_checkpoints_the_last_completed_step_and_exits_non_zero(tmp_path):
-    proc = subprocess.Popen([sys.executable, "grpo.py", "--steps", "500", "--save-every", "1000", "--eval-every", "0",
-                             "--output-dir", str(tmp_path), "--run-name", "run", "--prompts-per-step", "8"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr
-    last_step = read_metrics(tmp_path / "run")[-1]["step"]
-    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
-    assert [c.name for c in checkpoints] == [f"step_{last_step:06d}"]
-    assert latest_weights(tmp_path / "run").num_parameters() > 0
+    returncode, stderr = interrupt_after([sys.executable, "grpo.py", "--steps", "500", "--save-every", "1000",
+                                          "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "run",
+                                          "--prompts-per-step", "8"], tmp_path / "run")
+    assert returncode == 130, stderr
+    assert_checkpointed_last_step(tmp_path / "run")
     assert "resume with --resume" in stderr
 
 
 def test_two_processes_give_the_same_run_as_one(tmp_path):
-    """accelerate launch --num_processes 2: prompts sharded, gradients averaged, losses normalised by
+    """Two processes: prompts sharded, gradients averaged, losses normalised by
     global counts, so the metrics and weights after two steps match a single-process run."""
     flags = ["--steps", "2", "--prompts-per-step", "8", "--num-generations", "4", "--eval-prompts", "16",
              "--eval-samples", "4", "--eval-k", "2", "--eval-every", "1", "--loss-agg", "token-mean", "--device", "cpu"]
-    out = run_script(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-                     "grpo.py", *flags, "--output-dir", str(tmp_path / "two"), "--run-name", "run", timeout=600,
-                     env_extra={"OMP_NUM_THREADS": "1"})
+    out = launch_two_processes("grpo.py", *flags, "--output-dir", str(tmp_path / "two"), "--run-name", "run")
     assert out.returncode == 0, out.stderr[-3000:]
     grpo.main(small_args(tmp_path / "one", steps=2, eval_every=1, loss_agg="token-mean"))
     one, two = read_metrics(tmp_path / "one" / "run"), read_metrics(tmp_path / "two" / "run")

@@ -1,10 +1,9 @@
 """ppo.py: GAE, value clipping, KL-in-reward placement, explained variance, and the script end to end."""
 
-import sys
 
 import pytest
 import torch
-from conftest import latest_weights, run_script, small_args, state_dicts_equal, without_timing
+from conftest import latest_weights, launch_two_processes, small_args, state_dicts_equal, without_timing
 
 import ppo
 from common.cli import ConfigError
@@ -128,10 +127,9 @@ def test_ppo_refuses_bad_input_before_building_a_model(tmp_path, monkeypatch, ov
 
 
 def test_ppo_runs_under_accelerate_with_two_processes(tmp_path):
-    out = run_script(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "ppo.py",
-                     "--steps", "2", "--prompts-per-step", "32", "--minibatches", "2", "--ppo-epochs", "2",
-                     "--eval-prompts", "16", "--eval-samples", "4", "--eval-k", "2", "--device", "cpu",
-                     "--output-dir", str(tmp_path), "--run-name", "run", timeout=600, env_extra={"OMP_NUM_THREADS": "1"})
+    out = launch_two_processes("ppo.py", "--steps", "2", "--prompts-per-step", "32", "--minibatches", "2", "--ppo-epochs", "2",
+                               "--eval-prompts", "16", "--eval-samples", "4", "--eval-k", "2", "--device", "cpu",
+                               "--output-dir", str(tmp_path), "--run-name", "run")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["policy/ratio_mean"] > 0

@@ -1,0 +1,245 @@
+"""async_grpo.py: staleness as specified, weights that never tear, each correction's loss by hand,
+and the script end to end (it reduces to grpo.py at staleness 0, resumes, stops cleanly, fails loudly)."""
+
+import sys
+import time
+
+import conftest
+import pytest
+import torch
+from conftest import (assert_checkpointed_last_step, interrupt_after, latest_weights, launch_two_processes, run_script,
+                      state_dicts_equal, without_timing)
+
+import async_grpo
+import grpo
+from common.cli import ConfigError
+from common.logging import read_metrics
+from common.rollout import rollout, token_logprobs
+
+
+def small_args(tmp_path, **overrides) -> async_grpo.Args:
+    return conftest.small_args(async_grpo, tmp_path, **overrides)
+
+
+def loss_args(**overrides) -> async_grpo.Args:
+    return async_grpo.Args(beta=0.0, loss_agg="token-mean", max_new_tokens=4, **overrides)
+
+
+def one_token_batch(log_w: list[float], log_u: list[float], advantages: list[float]):
+    """Tensors for async_loss: one token per sequence with pi_old / mu = exp(log_w) and pi_theta / pi_old = exp(log_u)."""
+    behav = torch.full((len(log_w), 1), -1.0)
+    old = behav + torch.tensor(log_w)[:, None]
+    logps = (old + torch.tensor(log_u)[:, None]).requires_grad_()
+    return logps, old, behav, torch.tensor(advantages), torch.ones(len(log_w), 1)
+
+
+# ---------------------------------------------------------------- each correction's loss on a hand-made batch
+def test_tis_multiplies_the_clipped_objective_by_the_behaviour_weight_truncated_at_c():
+    logps, old, behav, A, mask = one_token_batch(log_w=[torch.log(torch.tensor(0.5)), torch.log(torch.tensor(3.0))],
+                                                 log_u=[0.0, 0.0], advantages=[1.0, 1.0])
+    loss, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="tis", tis_cap=2.0), 2, mask.sum())
+    assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)  # w = 3 is truncated to C = 2
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[:, 0].tolist() == pytest.approx([-0.5 / 2, -2.0 / 2])  # d/dlogp of w u A at u = 1 is w A
+
+
+def test_decoupled_clips_u_against_pi_old_and_weights_by_the_untruncated_behaviour_ratio():
+    log3 = torch.log(torch.tensor(3.0)).item()
+    logps, old, behav, A, mask = one_token_batch(log_w=[log3, log3], log_u=[0.0, torch.log(torch.tensor(1.5)).item()],
+                                                 advantages=[1.0, 1.0])
+    loss, stats = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="decoupled"), 2, mask.sum())
+    assert loss.item() == pytest.approx(-(3.0 * 1.0 + 3.0 * 1.2) / 2)  # u = 1.5 with A > 0 is clipped at 1.2
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[:, 0].tolist() == pytest.approx([-3.0 / 2, 0.0])  # the clipped token gets no gradient
+    assert stats["clip_high"].item() == 1
+    capped, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="decoupled", decoupled_cap=2.5),
+                                      2, mask.sum())
+    assert capped.item() == pytest.approx(-(2.5 * 1.0 + 2.5 * 1.2) / 2)
+
+
+def test_none_clips_the_ratio_to_the_behaviour_policy():
+    """The bypass: r = pi_theta / mu, here exp(log w + log u), clipped like PPO's ratio."""
+    logps, old, behav, A, mask = one_token_batch(log_w=[0.5, -0.5], log_u=[0.0, 0.0], advantages=[1.0, -1.0])
+    loss, stats = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="none"), 2, mask.sum())
+    r = torch.exp(torch.tensor([0.5, -0.5]))  # 1.65 (A > 0: clipped at 1.2), 0.61 (A < 0: clipped at 0.8)
+    assert loss.item() == pytest.approx(-(1.2 * 1.0 + 0.8 * -1.0) / 2)
+    assert stats["ratio"].item() == pytest.approx(r.sum().item())
+    assert stats["clip_high"].item() == 1 and stats["clip_low"].item() == 1
+
+
+def test_m2po_masks_the_largest_second_moments_until_the_rest_is_within_the_threshold():
+    log_w = torch.tensor([[0.0, 0.1, 0.3, 1.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding: never counted, never kept
+    # M2 = 0, 0.01, 0.09, 1: mean 0.275 > 0.04; without the 1: 0.0333 <= 0.04
+    assert async_grpo.m2po_mask(log_w, mask, 0.04).tolist() == [[1, 1, 1, 0, 0]]
+    # 0.0333 > 0.02; without 0.09 as well: 0.005 <= 0.02
+    assert async_grpo.m2po_mask(log_w, mask, 0.02).tolist() == [[1, 1, 0, 0, 0]]
+    assert async_grpo.m2po_mask(log_w, mask, 1.0).tolist() == [[1, 1, 1, 1, 0]]  # already within: nothing masked
+
+
+def test_m2po_loss_is_unclipped_r_times_a_over_the_kept_tokens_only():
+    logps, old, behav, A, mask = one_token_batch(log_w=[0.0, 0.1, 2.0], log_u=[0.7, 0.0, 0.0], advantages=[1.0, 1.0, 1.0])
+    keep = async_grpo.m2po_mask(old - behav, mask, 0.04)
+    assert keep[:, 0].tolist() == [1.0, 1.0, 0.0]
+    loss, _ = async_grpo.async_loss(logps, old, behav, None, A, keep, loss_args(correction="m2po"), 3, keep.sum())
+    r = torch.exp(torch.tensor([0.7, 0.1]))  # pi_theta / mu of the kept tokens; 2.01 is not clipped
+    assert loss.item() == pytest.approx(-r.sum().item() / 2)  # divided by the 2 kept tokens, not 3
+
+
+# ---------------------------------------------------------------- staleness and weights
+def test_emulated_staleness_k_is_exactly_k_after_warm_up(tmp_path):
+    async_grpo.main(small_args(tmp_path, steps=5, mode="emulated", max_staleness=2, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert [r["offpolicy/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]  # version max(t - 1 - K, 0)
+    assert all(r["offpolicy/behaviour_kl"] > 0 for r in rows[1:])  # stale batches are off-policy
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "decoupled", "m2po"])
+def test_emulated_staleness_zero_is_grpo_bit_for_bit(tmp_path, correction):
+    async_grpo.main(small_args(tmp_path / "async", steps=3, mode="emulated", max_staleness=0, correction=correction))
+    grpo.main(conftest.small_args(grpo, tmp_path / "grpo", steps=3))
+    ours, theirs = without_timing(read_metrics(tmp_path / "async" / "run")), without_timing(read_metrics(tmp_path / "grpo" / "run"))
+    assert [{k: a[k] for k in b} for a, b in zip(ours, theirs)] == theirs
+    assert state_dicts_equal(latest_weights(tmp_path / "async" / "run"), latest_weights(tmp_path / "grpo" / "run"))
+
+
+def test_published_weights_never_tear_and_behaviour_logprobs_match_their_version(tiny_model, tokenizer):
+    """The learner publishes new weights as fast as it can while the generator samples; every batch's
+    recorded log mu equals a fresh forward pass of the weights of the version it is tagged with."""
+    args = loss_args(drop_stale=True, queue_size=4)
+    prompts, published = ["12>", "4321>", "9>"], {0: async_grpo.snapshot(tiny_model)}
+
+    def make_batch(model, index, version):
+        out = rollout(model, tokenizer, prompts, [(index, i) for i in range(3)], 6, 1.0, [tokenizer.eos_token_id], "cpu")
+        return async_grpo.Batch(index, version, out, torch.zeros(3), 0.0)
+
+    board = async_grpo.WeightBoard(published[0], 0)
+    generator = async_grpo.GeneratorThread(async_grpo.copy.deepcopy(tiny_model), board, 1, args, make_batch, None)
+    generator.start()
+    batches, version = [], 0
+    while len(batches) < 12:
+        with torch.no_grad():
+            for p in tiny_model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        version += 1
+        published[version] = async_grpo.snapshot(tiny_model)
+        board.publish(published[version], version)
+        while not generator.queue.empty():
+            batches.append(generator.get())
+    generator.close()
+    assert len({b.version for b in batches}) > 3  # many versions were sampled from
+    checker = async_grpo.copy.deepcopy(tiny_model)
+    for b in batches:
+        checker.load_state_dict(published[b.version])
+        out = b.rollout
+        with torch.no_grad():
+            logps, _ = token_logprobs(checker, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+        assert torch.allclose(logps * out.completion_mask, out.logprobs, atol=1e-5), b.version
+        if b.version > 0:  # and not those of the neighbouring versions (one step of noise moves them by ~1e-2)
+            checker.load_state_dict(published[b.version - 1])
+            with torch.no_grad():
+                before, _ = token_logprobs(checker, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+            assert (before - logps).abs().max() > 1e-3
+
+
+def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
+    K, made = 1, []
+    args = loss_args(max_staleness=K, queue_size=8)
+
+    def make_batch(model, index, version):  # instant: left alone, the generator would run far ahead
+        made.append((index, version))
+        return async_grpo.Batch(index, version, None, torch.zeros(1), 0.0)
+
+    board = async_grpo.WeightBoard({}, 0)
+    generator = async_grpo.GeneratorThread(torch.nn.Linear(1, 1), board, 1, args, make_batch, None)
+    generator.model.load_state_dict = lambda state: None
+    generator.start()
+    staleness, waits = [], []
+    for step in range(1, 9):
+        batch = generator.get()
+        assert batch.index == step
+        staleness.append(step - 1 - batch.version)
+        waits.append(batch.wait_s)
+        time.sleep(0.05)  # the learner's "training"
+        board.publish({}, step)
+    generator.close()
+    assert max(staleness) <= K and staleness.count(K) >= 4  # it runs up to K ahead, never more
+    assert max(index - 1 - version for index, version in made) <= K
+    assert sum(waits) > 0.2  # it waited for the learner
+
+
+def test_threaded_runs_keep_staleness_within_k_and_report_overlap(tmp_path):
+    async_grpo.main(small_args(tmp_path / "paced", steps=6, max_staleness=1, eval_every=0))
+    async_grpo.main(small_args(tmp_path / "dropped", steps=6, max_staleness=1, drop_stale=True, queue_size=3, eval_every=0))
+    for name in ("paced", "dropped"):
+        rows = read_metrics(tmp_path / name / "run")[1:]
+        assert all(0 <= r["offpolicy/staleness_max"] <= 1 for r in rows), name
+        assert all(0.0 <= r["time/overlap"] <= 1.0 and r["time/learner_wait_s"] >= 0 for r in rows)
+        for key in ("time/rollout_s", "time/train_s", "time/generator_wait_s", "throughput/samples_per_s",
+                    "throughput/tokens_per_s", "offpolicy/ess", "offpolicy/behaviour_ratio_max", "offpolicy/mask_frac",
+                    "policy/entropy", "policy/clip_frac_low", "offpolicy/dropped_batches"):
+            assert key in rows[-1], key
+
+
+# ---------------------------------------------------------------- the script end to end
+def test_emulated_resume_restores_the_lagged_weights(tmp_path):
+    flags = dict(mode="emulated", max_staleness=2, save_every=2)
+    async_grpo.main(small_args(tmp_path / "full", steps=4, **flags))
+    async_grpo.main(small_args(tmp_path / "cut", steps=2, **flags))
+    async_grpo.main(small_args(tmp_path / "cut", steps=4, resume=str(tmp_path / "cut" / "run"), **flags))
+    full, resumed = tmp_path / "full" / "run", tmp_path / "cut" / "run"
+    assert without_timing(read_metrics(resumed)) == without_timing(read_metrics(full))
+    assert state_dicts_equal(latest_weights(resumed), latest_weights(full))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_staleness": -1}, "--max-staleness must be >= 0"),
+    ({"sync_every": 3, "max_staleness": 1}, "--sync-every \\(3\\) must be at most --max-staleness \\+ 1"),
+    ({"mode": "emulated", "drop_stale": True}, "apply to --mode threaded"),
+    ({"tis_cap": 0.5}, "--tis-cap must be >= 1"),
+    ({"m2po_threshold": 0.0}, "--m2po-threshold must be > 0"),
+    ({"generator_threads": 0}, "--generator-threads must be >= 1"),
+])
+def test_bad_input_is_refused_before_any_model_is_built(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr(async_grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match=message):
+        async_grpo.main(small_args(tmp_path, **overrides))
+
+
+GENERATOR_FAILS = """
+import sys, time
+sys.argv = ["async_grpo.py", *sys.argv[1:]]
+import async_grpo
+from common.cli import run
+real = async_grpo.generate
+def generate(model, tokenizer, task, args, index, version, eos_ids, device):
+    if index == 3:
+        open(sys.argv[-1] + ".failed_at", "w").write(repr(time.time()))
+        raise ValueError("reward server unreachable")
+    return real(model, tokenizer, task, args, index, version, eos_ids, device)
+async_grpo.generate = generate
+run(async_grpo.main, async_grpo.tyro.cli(async_grpo.Args))
+"""
+
+
+def test_a_generator_exception_ends_the_run_non_zero_within_10_seconds(tmp_path):
+    out = run_script(sys.executable, "-c", GENERATOR_FAILS, "--steps", "50", "--eval-every", "0", "--prompts-per-step", "8",
+                     "--output-dir", str(tmp_path), "--run-name", str(tmp_path / "run"), timeout=120)
+    ended = time.time()
+    assert out.returncode != 0
+    assert "ValueError: reward server unreachable" in out.stderr and "the generation thread failed" in out.stderr
+    assert ended - float((tmp_path / "run.failed_at").read_text()) < 10
+
+
+def test_ctrl_c_stops_both_threads_checkpoints_and_exits_130(tmp_path):
+    returncode, stderr = interrupt_after([sys.executable, "async_grpo.py", "--steps", "500", "--save-every", "1000",
+                                          "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "run",
+                                          "--prompts-per-step", "8"], tmp_path / "run")
+    assert returncode == 130, stderr
+    assert_checkpointed_last_step(tmp_path / "run")
+    assert "resume with --resume" in stderr
+
+
+def test_more_than_one_process_is_refused_in_one_line(tmp_path):
+    out = launch_two_processes("async_grpo.py", "--steps", "1", "--device", "cpu", "--output-dir", str(tmp_path))
+    assert out.returncode != 0 and "async_grpo.py: error: async_grpo.py runs as one process" in out.stderr

@@ -35,8 +35,9 @@ def tiny_model(tokenizer):
     return LlamaForCausalLM(tiny_llama_config(tokenizer)).eval()
 
 
-# A few seconds' run of any algorithm script on the embedded job.
-SMALL = dict(prompts_per_step=8, num_generations=4, eval_prompts=16, eval_samples=4, eval_k=2, eval_every=2, device="cpu")
+# A few seconds' run of any algorithm script on the embedded job (POSTRL_TEST_DEVICE=cuda runs them on a GPU).
+DEVICE = os.environ.get("POSTRL_TEST_DEVICE", "cpu")
+SMALL = dict(prompts_per_step=8, num_generations=4, eval_prompts=16, eval_samples=4, eval_k=2, eval_every=2, device=DEVICE)
 
 
 def small_args(script, tmp_path, **overrides):

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU check: someone with one CUDA GPU runs this from the repository root, in under 5 minutes.
+#   bash benchmarks/gpu_check.sh            (after: pip install torch && pip install -e ".[test]")
+# 1. the smoke and learning tests with every run on cuda (POSTRL_TEST_DEVICE=cuda);
+# 2. grpo.py, gapo.py and async_grpo.py on cuda in bf16 on the embedded job;
+# 3. throughput of grpo.py and async_grpo.py (threaded, K = 1) on a ~0.49B-parameter Llama built from a
+#    config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens.
+# Numbers land in $OUT (default runs/gpu_check): summary.txt, and each run's metrics.jsonl.
+set -euo pipefail
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0), torch.__version__)" | tee "$OUT/summary.txt"
+
+POSTRL_TEST_DEVICE=cuda python -m pytest tests -q -x -k "smoke or learns or staleness_zero or staleness_k" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+
+for script in grpo gapo async_grpo; do
+  python $script.py --device cuda --dtype bfloat16 --steps 20 --eval-every 10 --output-dir "$OUT" --run-name ${script}_bf16 \
+    | tail -3 | tee -a "$OUT/summary.txt"
+done
+
+python - "$OUT/model" <<'PY'
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from common.embedded import save_char_tokenizer
+from common.models import char_tokenizer
+tok = char_tokenizer()
+config = LlamaConfig(vocab_size=len(tok), hidden_size=1024, intermediate_size=4096, num_hidden_layers=32,
+                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).to(torch.bfloat16)
+print(f"model: {model.num_parameters() / 1e6:.0f}M parameters")
+model.save_pretrained(sys.argv[1])
+save_char_tokenizer(tok, __import__("pathlib").Path(sys.argv[1]))
+PY
+
+for args in "grpo.py" "async_grpo.py --max-staleness 1"; do
+  name=$(echo $args | tr ' .-' '___')
+  python $args --model "$OUT/model" --device cuda --dtype bfloat16 --steps 8 --eval-every 0 --eval-prompts 8 \
+    --eval-samples 1 --eval-k 1 --max-new-tokens 64 --beta 0 --lr 1e-6 --save-every 1000 --output-dir "$OUT" --run-name "$name" > /dev/null
+  python - "$OUT/$name" "$args" <<'PY' | tee -a "$OUT/summary.txt"
+import statistics, sys
+from common.logging import read_metrics
+rows = [r for r in read_metrics(sys.argv[1]) if "time/train_s" in r][2:]  # 2 warm-up steps
+wait = "time/learner_wait_s" if "time/learner_wait_s" in rows[0] else "time/rollout_s"
+print(f"{sys.argv[2]}: 0.49B bf16, {statistics.median(r['throughput/samples_per_s'] for r in rows):.1f} samples/s, "
+      f"{statistics.median(r['throughput/tokens_per_s'] for r in rows):.0f} tokens/s, sampling {statistics.median(r[wait] for r in rows):.2f} s, "
+      f"training {statistics.median(r['time/train_s'] for r in rows):.2f} s per step")
+PY
+done
+echo "done: $OUT/summary.txt"

@@ -1,0 +1,269 @@
+"""Throughput: postrl's grpo.py against TRL's GRPOTrainer on identical work, async_grpo.py against
+grpo.py, and how the cost of a step grows.
+
+    pip install -e ".[bench]"                               # trl, matplotlib
+    python benchmarks/throughput.py                         # compare, A B A B ...: ~6 minutes on 2 CPU cores
+    python benchmarks/throughput.py --mode growth           # step time as P, G and T double: ~6 minutes
+
+compare: every arm runs in its own child process (so its peak resident memory is its own), one at a
+time, in rounds: each round runs grpo.py, TRL, async_grpo.py --max-staleness 1 and 2 once, in that
+order. Identical work: the embedded `reverse` model and tokenizer, its task and exact-match reward,
+32 prompts x 8 completions per step, at most 8 new tokens, temperature 1 (no top-k / top-p),
+AdamW lr 5e-4 with weight decay 0 and a constant schedule, gradient clipping at 1, beta 0.04 with a
+k3 KL to the reference, GRPO's per-sequence loss average and group std scaling, one update per
+batch. Each child runs --warmup steps and then --steps measured steps; reported per step:
+generation (sampling + scoring) and training seconds, samples/s and generated tokens/s over the
+measured steps, and the child's peak RSS. Medians and spreads over rounds; ratios are pair by pair
+(round i of one arm against round i of the other). Writes benchmarks/results/compare.md.
+
+growth: grpo.py step time (sampling + training) for prompts per step P, completions per prompt G and
+completion length T each doubling from (16, 8, 16), the others fixed. It runs a randomly initialised
+model of the embedded architecture (so completions run to the length budget instead of stopping
+after the task's 5 tokens), and fits the exponent b of time ~ x^b. Writes benchmarks/results/growth.{md,png}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import tyro
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+# The work both libraries do: postrl flags and the TRL GRPOConfig fields that mean the same thing.
+PROMPTS, G, MAX_NEW, LR, BETA = 32, 8, 8, 5e-4, 0.04
+
+
+@dataclass
+class Args:
+    mode: Literal["compare", "growth"] = "compare"
+    rounds: int = 3
+    """compare: A B A B rounds"""
+    warmup: int = 3
+    """steps run before the measured ones in every child"""
+    steps: int = 10
+    """measured steps per child"""
+    arms: list[str] = field(default_factory=lambda: ["grpo", "trl", "async_K1", "async_K2"])
+    output_dir: str = "runs/bench"
+
+
+# ---------------------------------------------------------------- children
+def run_child(argv: list[str], env: dict | None = None) -> tuple[int, float]:
+    """Run a child process; its exit status and peak RSS in MB."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode(errors="replace")
+    if status != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{err[-3000:]}")
+    return status, usage.ru_maxrss / 1024
+
+
+def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
+    """Per-step seconds of generation and training, and generated tokens, from the script's metrics."""
+    flags = ["--steps", str(steps), "--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1", "--eval-k", "1",
+             "--save-every", "100000", "--prompts-per-step", str(PROMPTS), "--num-generations", str(G),
+             "--max-new-tokens", str(MAX_NEW), "--lr", str(LR), "--beta", str(BETA), "--device", "cpu",
+             "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, *extra]
+    _, rss = run_child([sys.executable, script, *flags])
+    from common.logging import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if "time/train_s" in r]
+    wait = "time/learner_wait_s" if script == "async_grpo.py" else "time/rollout_s"
+    return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": PROMPTS * G,
+             "tokens": r["throughput/tokens_per_s"] * (r[wait] + r["time/train_s"]), "rss_mb": rss} for r in rows]
+
+
+TRL_CHILD = r'''
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from common.models import load_tokenizer, resolve_model
+from common.tasks import load_task
+
+out, steps, prompts, G, max_new, lr, beta = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
+torch.manual_seed(0)
+task = load_task("reverse")
+path = resolve_model("embedded", "reverse")
+tokenizer = load_tokenizer(path)
+model = AutoModelForCausalLM.from_pretrained(path)
+
+def reward(completions, answer, **kwargs):
+    return task.reward(completions, answer)
+
+config = GRPOConfig(
+    output_dir=out + "/trl", per_device_train_batch_size=prompts * G, gradient_accumulation_steps=1, num_generations=G,
+    max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0, learning_rate=lr, weight_decay=0.0,
+    lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=beta, loss_type="grpo", scale_rewards="group",
+    num_iterations=1, max_steps=steps, logging_steps=100000, save_strategy="no", report_to="none", use_cpu=True,
+    bf16=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+)
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=task.train, processing_class=tokenizer)
+timings, gen = [], {"s": 0.0, "tokens": 0}
+generate_and_score = trainer._generate_and_score_completions
+
+def timed(*a, **k):  # sampling + scoring of a step's batch
+    t0 = time.perf_counter()
+    result = generate_and_score(*a, **k)
+    gen["s"] += time.perf_counter() - t0
+    gen["tokens"] += int(result["completion_mask"].sum())
+    return result
+
+trainer._generate_and_score_completions = timed
+
+class StepTimer(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kw):
+        self.t0, gen["s"], gen["tokens"] = time.perf_counter(), 0.0, 0
+    def on_step_end(self, args, state, control, **kw):
+        total = time.perf_counter() - self.t0
+        timings.append({"gen_s": gen["s"], "train_s": total - gen["s"], "samples": prompts * G, "tokens": gen["tokens"]})
+
+trainer.add_callback(StepTimer())
+trainer.train()
+json.dump(timings, open(out + "/steps.json", "w"))
+'''
+
+
+def trl_child(run_dir: Path, steps: int) -> list[dict]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), str(PROMPTS), str(G), str(MAX_NEW),
+                        str(LR), str(BETA)])
+    return [{**r, "rss_mb": rss} for r in json.loads((run_dir / "steps.json").read_text())]
+
+
+ARMS = {
+    "grpo": lambda d, n: postrl_child("grpo.py", d, n, []),
+    "trl": trl_child,
+    "async_K1": lambda d, n: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"]),
+    "async_K2": lambda d, n: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"]),
+}
+
+
+def summarise(steps: list[dict]) -> dict:
+    seconds = sum(s["gen_s"] + s["train_s"] for s in steps)
+    return {"samples_per_s": sum(s["samples"] for s in steps) / seconds, "tokens_per_s": sum(s["tokens"] for s in steps) / seconds,
+            "gen_s": statistics.mean(s["gen_s"] for s in steps), "train_s": statistics.mean(s["train_s"] for s in steps),
+            "rss_mb": steps[0]["rss_mb"]}
+
+
+def med(values: list[float], fmt: str = ".3g") -> str:
+    """median [min, max]"""
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+
+
+def compare(args: Args) -> None:
+    results = {arm: [] for arm in args.arms}
+    for i in range(args.rounds):
+        for arm in args.arms:
+            with tempfile.TemporaryDirectory() as tmp:
+                steps = ARMS[arm](Path(tmp) / "run", args.warmup + args.steps)[args.warmup:]
+            results[arm].append(summarise(steps))
+            print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.0f} samples/s", flush=True)
+    lines = [f"`python benchmarks/throughput.py compare --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
+             f"{PROMPTS} prompts x {G} completions, <= {MAX_NEW} new tokens; median [min, max] over {args.rounds} rounds.", "",
+             "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | samples/s vs grpo.py (pair by pair) |",
+             "|---|---|---|---|---|---|---|"]
+    for arm in args.arms:
+        r = results[arm]
+        ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r, results["grpo"])] if "grpo" in results else []
+        lines.append(f"| {arm} | {med([x['samples_per_s'] for x in r])} | {med([x['tokens_per_s'] for x in r])} | "
+                     f"{med([x['gen_s'] for x in r])} | {med([x['train_s'] for x in r])} | {med([x['rss_mb'] for x in r], '.0f')} | "
+                     f"{med(ratio, '.2f') if ratio else '–'} |")
+    if "trl" in results and "grpo" in results:
+        ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results["grpo"], results["trl"])]
+        lines += ["", f"postrl grpo.py / TRL GRPOTrainer, samples/s, pair by pair: {med(ratio, '.2f')}"]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def random_model(directory: Path) -> str:
+    """The embedded architecture with random weights: completions run to the length budget."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.models import load_tokenizer, resolve_model
+
+    path = resolve_model("embedded", "reverse")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoModelForCausalLM.from_pretrained(path).config)
+    model.save_pretrained(directory)
+    load_tokenizer(path).save_pretrained(directory)
+    return str(directory)
+
+
+def growth(args: Args) -> None:
+    base = {"P": 16, "G": 8, "T": 16}
+    values = {"P": [8, 16, 32, 64], "G": [4, 8, 16, 32], "T": [8, 16, 32, 64]}
+    flag = {"P": "--prompts-per-step", "G": "--num-generations", "T": "--max-new-tokens"}
+    rows, tmp = [], Path(tempfile.mkdtemp())
+    model = random_model(tmp / "model")
+    for var, xs in values.items():
+        for x in xs:
+            point = {**base, var: x}
+            extra = ["--model", model, *[a for k, v in point.items() for a in (flag[k], str(v))]]
+            with tempfile.TemporaryDirectory() as d:
+                run_dir = Path(d) / "run"
+                flags = ["--steps", str(args.warmup + args.steps), "--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1",
+                         "--eval-k", "1", "--save-every", "100000", "--device", "cpu", "--output-dir", d, "--run-name", "run", *extra]
+                run_child([sys.executable, "grpo.py", *flags])
+                from common.logging import read_metrics
+
+                steps = [r for r in read_metrics(run_dir) if "time/train_s" in r][args.warmup:]
+            rows.append({"var": var, "x": x, **point, "gen_s": statistics.median(r["time/rollout_s"] for r in steps),
+                         "train_s": statistics.median(r["time/train_s"] for r in steps),
+                         "length": statistics.mean(r["completions/mean_length"] for r in steps)})
+            print(rows[-1], flush=True)
+    lines = ["`python benchmarks/throughput.py growth`: grpo.py, random-init embedded architecture, median step time over "
+             f"{args.steps} steps after {args.warmup} warm-up steps; base point P={base['P']}, G={base['G']}, T={base['T']}.", "",
+             "| varied | P | G | T | mean completion length | sampling s | training s | step s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['var']} | {r['P']} | {r['G']} | {r['T']} | {r['length']:.1f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | "
+                     f"{r['gen_s'] + r['train_s']:.3f} |")
+    lines += ["", "| varied | exponent b of step time ~ x^b | of sampling | of training |", "|---|---|---|---|"]
+    fits = {}
+    for var in values:
+        pts = [r for r in rows if r["var"] == var]
+        x = np.log([r["x"] for r in pts])
+        fit = {k: np.polyfit(x, np.log([f(r) for r in pts]), 1)[0] for k, f in
+               (("step", lambda r: r["gen_s"] + r["train_s"]), ("gen", lambda r: r["gen_s"]), ("train", lambda r: r["train_s"]))}
+        fits[var] = fit
+        lines.append(f"| {var} | {fit['step']:.2f} | {fit['gen']:.2f} | {fit['train']:.2f} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "growth.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for var, color in zip(values, ["C0", "C1", "C2"]):
+        pts = [r for r in rows if r["var"] == var]
+        ax.plot([r["x"] / base[var] for r in pts], [r["gen_s"] + r["train_s"] for r in pts], marker="o", color=color,
+                label=f"{var} (b = {fits[var]['step']:.2f})")
+    ax.set(xscale="log", yscale="log", xlabel="x / base value", ylabel="seconds per step (sampling + training)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "growth.png", dpi=110)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    compare(args) if args.mode == "compare" else growth(args)

@@ -125,9 +125,9 @@ class Args:
     queue_size: int = 2
     """threaded only: finished batches that may wait for the learner"""
     generator_threads: int | None = None
-    """intra-op CPU threads of the generation thread (default: half the cores in threaded mode; emulated: torch's default)"""
+    """intra-op CPU threads of the generation thread (default: torch's, all cores; each thread has its own OpenMP pool)"""
     learner_threads: int | None = None
-    """intra-op CPU threads of the learner (default: the other half in threaded mode; emulated: torch's default)"""
+    """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm
     correction: Literal["none", "tis", "decoupled", "m2po"] = "tis"
     """off-policy correction for stale batches (see the docstring)"""
@@ -520,10 +520,10 @@ def main(args: Args) -> None:
         lagged = saved["extra"].get("lagged") or {version: snapshot(policy)}
         generator = EmulatedGenerator(sampler, lagged, args, make_batch)
     else:
-        half = max(1, torch.get_num_threads() // 2)
-        torch.set_num_threads(args.learner_threads or half)
+        if args.learner_threads:
+            torch.set_num_threads(args.learner_threads)
         generator = GeneratorThread(sampler, WeightBoard(snapshot(policy), version), max(start, 1), args, make_batch,
-                                    args.generator_threads or half)
+                                    args.generator_threads)
         generator.start()
 
     def eval_now() -> dict:

@@ -6,12 +6,14 @@ A setting that collapses: --max-staleness 8 (emulated) with a learning rate that
 (async_lr_staleness.py measures which), against the same staleness at a learning rate that is
 stable at K = 8, 3 seeds each, --correction none, 100 steps. Every diagnostic is logged every step.
 
-Thresholds are set on the stable runs: for a diagnostic that rises before trouble, the largest value
-any stable run logged after step 10 (the warm-up leaves the first steps on-policy); for ESS, which
-falls, the smallest. The reward collapses at the first step at which the training reward, smoothed
-over 5 steps, is below half of its best so far (once it has risen above the base model's). The
-lead of a diagnostic is the collapse step minus the first step (after 10) at which the diagnostic,
-smoothed the same way, crosses its threshold. Writes repro/results/async_early_warning.{md,png}.
+Both arms see the same staleness schedule (batch t comes from version max(t - 1 - K, 0), so the
+staleness ramps 0, 1, ..., K over the first K + 1 steps), so they are compared step for step from
+step 2 on. Thresholds are set on the stable runs: for a diagnostic that rises before trouble, the
+largest value (smoothed over 5 steps) any stable run logged; for ESS, which falls, the smallest. The
+reward collapses at the first step at which the training reward, smoothed over 5 steps, is below
+half of its best so far (once it has risen above the first step's). The lead of a diagnostic is the
+collapse step minus the first step at which the diagnostic, smoothed the same way, crosses its
+threshold. Writes repro/results/async_early_warning.{md,png}.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import tyro
 from async_lr_staleness import job
 from runner import evals, pyplot, run_jobs, save_table, smooth
 
-WARM_UP = 10
+WARM_UP = 1  # step 1 is on-policy in every run (version 0 trains on version 0): nothing to compare
 # (metric, direction): +1 rises before trouble, -1 falls
 DIAGNOSTICS = [
     ("offpolicy/behaviour_kl", +1),
@@ -40,7 +42,7 @@ DIAGNOSTICS = [
 @dataclass
 class Args:
     staleness: int = 8
-    collapse_lr: float = 4e-3
+    collapse_lr: float = 2e-3
     """a learning rate that is stable at K = 0 (see repro/results/async_lr_staleness.md)"""
     stable_lr: float = 5e-4
     """a learning rate that is stable at this staleness"""
@@ -87,8 +89,9 @@ def main(args: Args) -> None:
              "reward collapse step per seed: " + ", ".join(f"s{s}: {c if c is not None else 'no collapse'}" for s, c in collapsing.items())
              + "; final pass@1 " + ", ".join(f"{evals(rows[('collapse', s)])[-1]['eval/pass@1']:.2f}" for s in args.seeds)
              + " (stable reference: " + ", ".join(f"{evals(rows[('stable', s)])[-1]['eval/pass@1']:.2f}" for s in args.seeds) + ")", "",
-             "| diagnostic | threshold (from the stable runs) | warned before the collapse | lead in steps (mean, per run) |",
-             "|---|---|---|---|"]
+             f"| diagnostic | threshold (from the stable runs) | warned before the collapse | lead in steps (mean, per run) | "
+             f"false alarms: crossed in the K = 0 runs at lr {args.collapse_lr:g}, which do not collapse |",
+             "|---|---|---|---|---|"]
     thresholds = {}
     for key, direction in DIAGNOSTICS:
         stable_values = [v for s in args.seeds for step, v in zip(*series(rows[("stable", s)], key)) if step > WARM_UP]
@@ -100,9 +103,10 @@ def main(args: Args) -> None:
             crossed = first_crossing(rows[("collapse", s)], key, direction, thresholds[key])
             leads.append(None if crossed is None or crossed > c else c - crossed)
         warned = [x for x in leads if x is not None]
+        false_alarms = sum(first_crossing(rows[("K0", s)], key, direction, thresholds[key]) is not None for s in args.seeds)
+        lead = f"{statistics.mean(warned):.1f} ({', '.join('–' if x is None else str(x) for x in leads)})" if warned else "–"
         lines.append(f"| {key} ({'falls' if direction < 0 else 'rises'}) | {thresholds[key]:.3g} | {len(warned)}/{len(leads)} | "
-                     f"{statistics.mean(warned):.1f} ({', '.join('–' if x is None else str(x) for x in leads)}) |"
-                     if warned else f"| {key} ({'falls' if direction < 0 else 'rises'}) | {thresholds[key]:.3g} | 0/{len(leads)} | – |")
+                     f"{lead} | {false_alarms}/{len(args.seeds)} |")
     text = "\n".join(lines) + "\n"
     out = save_table("async_early_warning", text)
     plt = pyplot()

@@ -15,6 +15,7 @@ Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,14 +34,21 @@ class Rollout:
 
 
 def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask; chat models get their chat template."""
+    """Left-padded prompt ids and mask; chat models get their chat template. Each distinct prompt is
+    tokenized once (a group repeats its prompt G times)."""
+    position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    unique = list(position)
+    rows = torch.tensor([position[p] for p in prompts]) if len(unique) < len(prompts) else None
     if getattr(tokenizer, "chat_template", None):
-        prompts = [
+        unique = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
+            for p in unique
         ]
-    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    enc = tokenizer(unique, padding=True, return_tensors="pt", add_special_tokens=False)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if rows is not None:
+        ids, mask = ids[rows], mask[rows]
+    return ids.to(device), mask.to(device)
 
 
 def row_uniforms(keys: list[tuple[int, ...]], length: int, device) -> torch.Tensor:
@@ -129,20 +137,25 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     return out.logits[:, -T - 1 : -1], hidden
 
 
-def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False):
-    """log softmax(logits / temperature) at the given tokens; and the entropy of that distribution if asked."""
+def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True):
+    """log softmax(logits / temperature) at the given tokens; and the entropy of that distribution if
+    asked (without a gradient if entropy_grad is False: a diagnostic then costs no autograd memory)."""
     logp_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
     logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with nullcontext() if entropy_grad else torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logps, entropy
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature), with the
-    same positions and mask as at sampling; and the entropy of that distribution if asked."""
+    same positions and mask as at sampling; and the entropy of that distribution if asked (a
+    diagnostic, without a gradient)."""
     logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy)
+    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

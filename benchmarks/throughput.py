@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -173,7 +172,7 @@ def compare(args: Args) -> None:
                 steps = ARMS[arm](Path(tmp) / "run", args.warmup + args.steps)[args.warmup:]
             results[arm].append(summarise(steps))
             print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.0f} samples/s", flush=True)
-    lines = [f"`python benchmarks/throughput.py compare --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
+    lines = [f"`python benchmarks/throughput.py --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
              f"{PROMPTS} prompts x {G} completions, <= {MAX_NEW} new tokens; median [min, max] over {args.rounds} rounds.", "",
              "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | samples/s vs grpo.py (pair by pair) |",
              "|---|---|---|---|---|---|---|"]
@@ -228,17 +227,18 @@ def growth(args: Args) -> None:
                          "train_s": statistics.median(r["time/train_s"] for r in steps),
                          "length": statistics.mean(r["completions/mean_length"] for r in steps)})
             print(rows[-1], flush=True)
-    lines = ["`python benchmarks/throughput.py growth`: grpo.py, random-init embedded architecture, median step time over "
+    lines = ["`python benchmarks/throughput.py --mode growth`: grpo.py, random-init embedded architecture, median step time over "
              f"{args.steps} steps after {args.warmup} warm-up steps; base point P={base['P']}, G={base['G']}, T={base['T']}.", "",
              "| varied | P | G | T | mean completion length | sampling s | training s | step s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['var']} | {r['P']} | {r['G']} | {r['T']} | {r['length']:.1f} | {r['gen_s']:.3f} | {r['train_s']:.3f} | "
                      f"{r['gen_s'] + r['train_s']:.3f} |")
-    lines += ["", "| varied | exponent b of step time ~ x^b | of sampling | of training |", "|---|---|---|---|"]
+    lines += ["", "| varied | exponent b of step time ~ x^b (T: x = mean completion length) | of sampling | of training |",
+              "|---|---|---|---|"]
     fits = {}
     for var in values:
         pts = [r for r in rows if r["var"] == var]
-        x = np.log([r["x"] for r in pts])
+        x = np.log([r["length"] if var == "T" else r["x"] for r in pts])  # T: the length reached, not the budget
         fit = {k: np.polyfit(x, np.log([f(r) for r in pts]), 1)[0] for k, f in
                (("step", lambda r: r["gen_s"] + r["train_s"]), ("gen", lambda r: r["gen_s"]), ("train", lambda r: r["train_s"]))}
         fits[var] = fit
@@ -256,9 +256,10 @@ def growth(args: Args) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for var, color in zip(values, ["C0", "C1", "C2"]):
         pts = [r for r in rows if r["var"] == var]
-        ax.plot([r["x"] / base[var] for r in pts], [r["gen_s"] + r["train_s"] for r in pts], marker="o", color=color,
+        xs = [r["length"] / pts[1]["length"] if var == "T" else r["x"] / base[var] for r in pts]
+        ax.plot(xs, [r["gen_s"] + r["train_s"] for r in pts], marker="o", color=color,
                 label=f"{var} (b = {fits[var]['step']:.2f})")
-    ax.set(xscale="log", yscale="log", xlabel="x / base value", ylabel="seconds per step (sampling + training)")
+    ax.set(xscale="log", yscale="log", xlabel="x / base value (T: mean completion length)", ylabel="seconds per step (sampling + training)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "growth.png", dpi=110)

@@ -74,9 +74,14 @@ def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)
 
 
-def interrupt_after(argv: list[str], run_dir: Path, steps: int = 2) -> tuple[int, str]:
-    """Start a training command, send it SIGINT (Ctrl-C) once `steps` steps are logged; its exit
-    status and stderr."""
+def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: int = 2) -> None:
+    """Start `script` on a long run, send it SIGINT (Ctrl-C) once `steps` steps are logged: it must exit
+    with 130, leave exactly one checkpoint, of the last logged step, loadable by transformers, and say
+    how to resume."""
+    from common.logging import read_metrics
+
+    argv = [sys.executable, script, "--steps", "500", "--save-every", "1000", "--eval-every", "0", "--prompts-per-step", "8",
+            "--output-dir", str(Path(run_dir).parent), "--run-name", Path(run_dir).name]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = Path(run_dir) / "metrics.jsonl"
     deadline = time.time() + 120
@@ -84,14 +89,9 @@ def interrupt_after(argv: list[str], run_dir: Path, steps: int = 2) -> tuple[int
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
-    return proc.returncode, stderr
-
-
-def assert_checkpointed_last_step(run_dir: Path) -> None:
-    """Exactly one checkpoint, of the last logged step, and loadable by transformers."""
-    from common.logging import read_metrics
-
+    assert proc.returncode == 130, stderr
     last_step = read_metrics(run_dir)[-1]["step"]
     checkpoints = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
     assert [c.name for c in checkpoints] == [f"step_{last_step:06d}"]
     assert latest_weights(run_dir).num_parameters() > 0
+    assert "resume with --resume" in stderr

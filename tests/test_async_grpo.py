@@ -7,7 +7,7 @@ import time
 import conftest
 import pytest
 import torch
-from conftest import (assert_checkpointed_last_step, interrupt_after, latest_weights, launch_two_processes, run_script,
+from conftest import (assert_ctrl_c_checkpoints_and_exits_130, latest_weights, launch_two_processes, run_script,
                       state_dicts_equal, without_timing)
 
 import async_grpo
@@ -232,12 +232,7 @@ def test_a_generator_exception_ends_the_run_non_zero_within_10_seconds(tmp_path)
 
 
 def test_ctrl_c_stops_both_threads_checkpoints_and_exits_130(tmp_path):
-    returncode, stderr = interrupt_after([sys.executable, "async_grpo.py", "--steps", "500", "--save-every", "1000",
-                                          "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "run",
-                                          "--prompts-per-step", "8"], tmp_path / "run")
-    assert returncode == 130, stderr
-    assert_checkpointed_last_step(tmp_path / "run")
-    assert "resume with --resume" in stderr
+    assert_ctrl_c_checkpoints_and_exits_130("async_grpo.py", tmp_path / "run")
 
 
 def test_more_than_one_process_is_refused_in_one_line(tmp_path):

@@ -6,7 +6,7 @@ import sys
 import conftest
 import pytest
 import torch
-from conftest import (CHAT_TEMPLATE, assert_checkpointed_last_step, interrupt_after, latest_weights, launch_two_processes,
+from conftest import (CHAT_TEMPLATE, assert_ctrl_c_checkpoints_and_exits_130, latest_weights, launch_two_processes,
                       run_script, state_dicts_equal, without_timing)
 
 import grpo
@@ -162,12 +162,7 @@ def test_resume_refuses_a_changed_algorithm_flag(tmp_path):
 
 
 def test_ctrl_c_checkpoints_the_last_completed_step_and_exits_non_zero(tmp_path):
-    returncode, stderr = interrupt_after([sys.executable, "grpo.py", "--steps", "500", "--save-every", "1000",
-                                          "--eval-every", "0", "--output-dir", str(tmp_path), "--run-name", "run",
-                                          "--prompts-per-step", "8"], tmp_path / "run")
-    assert returncode == 130, stderr
-    assert_checkpointed_last_step(tmp_path / "run")
-    assert "resume with --resume" in stderr
+    assert_ctrl_c_checkpoints_and_exits_130("grpo.py", tmp_path / "run")
 
 
 def test_two_processes_give_the_same_run_as_one(tmp_path):

@@ -301,12 +301,14 @@ class GeneratorThread:
                 state, latest = self.board.latest(lowest, self.stop)
                 if self.stop.is_set():
                     return
-                if latest != version:  # between batches only: a batch is sampled by one set of weights
-                    self.model.load_state_dict(state)
-                    version = latest
                 waited += time.perf_counter() - t0
-                with torch.cuda.stream(stream) if stream else nullcontext():
+                with torch.cuda.stream(stream) if stream else nullcontext():  # on a GPU, its own stream
+                    if latest != version:  # between batches only: a batch is sampled by one set of weights
+                        self.model.load_state_dict(state)
+                        version = latest
                     batch = self.make_batch(self.model, index, version)
+                if stream:
+                    stream.synchronize()  # the batch is complete before the learner's stream reads it
                 t0 = time.perf_counter()
                 batch.wait_s = waited
                 while not self.stop.is_set():

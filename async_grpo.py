@@ -325,8 +325,11 @@ class GeneratorThread:
     def start(self) -> None:
         self.thread.start()
 
-    def get(self) -> Batch:
-        """The next batch; re-raises a generator failure within a tenth of a second."""
+    def publish(self, state: dict, version: int) -> None:
+        self.board.publish(state, version)
+
+    def get(self, step: int | None = None) -> Batch:
+        """The next batch (whichever step asks); re-raises a generator failure within a tenth of a second."""
         while True:
             if self.error is not None:
                 raise RuntimeError("the generation thread failed (its traceback is above)") from self.error
@@ -402,10 +405,9 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
         clip = args.correction != "m2po"
-        log_old_over_new = old_logps - logps
         stats = {
             "ratio": ratio[m].sum(),
-            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "approx_kl": kl_estimate(logps, old_logps, "k3")[m].sum(),  # k3 of KL(pi_theta || pi_old)
             "clip_low": ((ratio < 1 - args.eps_low) & (A < 0) & clip)[m].sum(),
             "clip_high": ((ratio > 1 + args.eps_high) & (A > 0) & clip)[m].sum(),
             "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
@@ -417,13 +419,12 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
 def behaviour_diagnostics(old_logps, behav_logps, mask) -> dict[str, float]:
     """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens."""
     m = mask.bool()
-    log_w = (old_logps - behav_logps)[m]
-    w = log_w.exp()
+    w = torch.exp(old_logps - behav_logps)[m]
     return {
         "offpolicy/behaviour_ratio_mean": w.mean().item(),
         "offpolicy/behaviour_ratio_max": w.max().item(),
         "offpolicy/behaviour_ratio_std": w.std().item() if len(w) > 1 else 0.0,
-        "offpolicy/behaviour_kl": (torch.expm1(log_w) - log_w).mean().item(),  # k3 of KL(mu || pi_old), from samples of mu
+        "offpolicy/behaviour_kl": kl_estimate(behav_logps, old_logps, "k3")[m].mean().item(),  # KL(mu || pi_old), samples of mu
         "offpolicy/ess": (w.sum() ** 2 / (len(w) * (w**2).sum())).item(),  # (sum w)^2 / (n sum w^2), 1 = on-policy
     }
 
@@ -435,27 +436,33 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     mask = batch.completion_mask
     chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
     inputs = [(batch.prompt_ids[r], batch.prompt_mask[r], batch.completion_ids[r], mask[r]) for r in chunks]
-    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    old_logps, behav_logps, ref_logps, kl_ref, entropy = {}, {}, {}, 0.0, 0.0
+
+    def set_pi_old(j: int, logps: torch.Tensor) -> None:  # and mu: on a batch of staleness 0, mu is pi_old
+        old_logps[j] = logps.detach()
+        behav_logps[j] = batch.logprobs[chunks[j]] if stale else old_logps[j]
+
     train_mask = mask.float()
     if args.correction == "m2po":
         with torch.no_grad():
-            old_logps = {j: token_logprobs(policy, *x, args.temperature)[0] for j, x in enumerate(inputs)}
-        old_all = torch.cat(list(old_logps.values()))
-        train_mask = m2po_mask(old_all - (batch.logprobs if stale else old_all), mask, args.m2po_threshold)
+            for j, x in enumerate(inputs):
+                set_pi_old(j, token_logprobs(policy, *x, args.temperature)[0])
+        train_mask = m2po_mask(torch.cat(list(old_logps.values())) - torch.cat(list(behav_logps.values())), mask,
+                               args.m2po_threshold)
     num_tokens = train_mask.sum()  # masked tokens leave the denominator
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
         for j, rows in enumerate(chunks):
             logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, with_entropy=iteration == 0)
             if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
-                old_logps.setdefault(j, logps.detach())
+                if j not in old_logps:
+                    set_pi_old(j, logps)
                 entropy += (token_entropy.detach() * mask[rows]).sum()
                 if ref is not None:
                     with torch.no_grad():
                         ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
-            behav_logps = batch.logprobs[rows] if stale else old_logps[j]  # a batch of staleness 0: mu is pi_old
-            loss, step_stats = async_loss(logps, old_logps[j], behav_logps, ref_logps.get(j), advantages[rows],
+            loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps.get(j), advantages[rows],
                                           train_mask[rows], args, mask.shape[0], num_tokens)
             accelerator.backward(loss)
             stats.append({**step_stats, "loss": loss.detach()})
@@ -463,7 +470,6 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         optimizer.step()
         optimizer.zero_grad()
 
-    old_all = torch.cat([old_logps[j] for j in range(len(chunks))])
     token_passes = max(num_tokens.item(), 1) * args.num_iterations
     metrics = {
         "loss": sum(s["loss"] for s in stats).item() / args.num_iterations,
@@ -476,7 +482,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
         "offpolicy/mask_frac": 1.0 - num_tokens.item() / mask.sum().item(),
-        **behaviour_diagnostics(old_all, batch.logprobs if stale else old_all, mask),
+        **behaviour_diagnostics(torch.cat([old_logps[j] for j in range(len(chunks))]),
+                                torch.cat([behav_logps[j] for j in range(len(chunks))]), mask),
     }
     if ref is not None:
         metrics["policy/kl_ref"] = float(kl_ref) / mask.sum().item()
@@ -543,7 +550,7 @@ def main(args: Args) -> None:
             # ---- 1-3. take the next batch of scored groups (the generator drew prompts, sampled, scored)
             t0 = time.perf_counter()
             while True:
-                batch = generator.get(step) if args.mode == "emulated" else generator.get()
+                batch = generator.get(step)
                 staleness = step - 1 - batch.version  # the learner is at version step - 1
                 if not (args.drop_stale and staleness > K):
                     break
@@ -557,10 +564,8 @@ def main(args: Args) -> None:
             t0 = time.perf_counter()
             metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, staleness > 0, args)
             train_s = time.perf_counter() - t0
-            if args.mode == "emulated":
+            if step % args.sync_every == 0:  # emulated mode: every step (its --sync-every is 1)
                 generator.publish(snapshot(policy), step)
-            elif step % args.sync_every == 0:
-                generator.board.publish(snapshot(policy), step)
             # ---- 7. log
             lengths = batch.rollout.completion_mask.sum(-1).float()
             staleness_window.extend([staleness] * len(rewards))

@@ -39,10 +39,13 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from common.logging import read_metrics  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 # The work both libraries do: postrl flags and the TRL GRPOConfig fields that mean the same thing.
 PROMPTS, G, MAX_NEW, LR, BETA = 32, 8, 8, 5e-4, 0.04
+# Timed runs evaluate only the ends, on 8 prompts, and never checkpoint.
+NO_EVAL_NO_SAVE = ["--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1", "--eval-k", "1", "--save-every", "100000"]
 
 
 @dataclass
@@ -71,13 +74,10 @@ def run_child(argv: list[str], env: dict | None = None) -> tuple[int, float]:
 
 def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
     """Per-step seconds of generation and training, and generated tokens, from the script's metrics."""
-    flags = ["--steps", str(steps), "--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1", "--eval-k", "1",
-             "--save-every", "100000", "--prompts-per-step", str(PROMPTS), "--num-generations", str(G),
+    flags = ["--steps", str(steps), *NO_EVAL_NO_SAVE, "--prompts-per-step", str(PROMPTS), "--num-generations", str(G),
              "--max-new-tokens", str(MAX_NEW), "--lr", str(LR), "--beta", str(BETA), "--device", "cpu",
              "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, *extra]
     _, rss = run_child([sys.executable, script, *flags])
-    from common.logging import read_metrics
-
     rows = [r for r in read_metrics(run_dir) if "time/train_s" in r]
     wait = "time/learner_wait_s" if script == "async_grpo.py" else "time/rollout_s"
     return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": PROMPTS * G,
@@ -217,11 +217,9 @@ def growth(args: Args) -> None:
             extra = ["--model", model, *[a for k, v in point.items() for a in (flag[k], str(v))]]
             with tempfile.TemporaryDirectory() as d:
                 run_dir = Path(d) / "run"
-                flags = ["--steps", str(args.warmup + args.steps), "--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1",
-                         "--eval-k", "1", "--save-every", "100000", "--device", "cpu", "--output-dir", d, "--run-name", "run", *extra]
+                flags = ["--steps", str(args.warmup + args.steps), *NO_EVAL_NO_SAVE, "--device", "cpu", "--output-dir", d,
+                         "--run-name", "run", *extra]
                 run_child([sys.executable, "grpo.py", *flags])
-                from common.logging import read_metrics
-
                 steps = [r for r in read_metrics(run_dir) if "time/train_s" in r][args.warmup:]
             rows.append({"var": var, "x": x, **point, "gen_s": statistics.median(r["time/rollout_s"] for r in steps),
                          "train_s": statistics.median(r["time/train_s"] for r in steps),

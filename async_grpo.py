@@ -70,6 +70,7 @@ from common.models import (
     load_tokenizer,
     resolve_model,
 )
+from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import Rollout, evaluate, rollout, token_logprobs
 from common.tasks import load_task
 
@@ -91,7 +92,7 @@ class Args:
     model: str = "embedded"
     """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
     task: str = "reverse"
-    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    """reverse | add | chain-N[-partial|-sum] (embedded, offline; chain: multi-turn) | gsm8k (hub or --data-path)"""
     data_path: str | None = None
     """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
     train_size: int | None = None
@@ -234,6 +235,7 @@ class Batch:
     rewards: torch.Tensor  # (P * G,) laid out group by group
     rollout_s: float  # time spent sampling and scoring it
     wait_s: float = 0.0  # time the generator waited (pacing or a full queue) before it could hand it over
+    successes: torch.Tensor | None = None  # (P * G,) 1.0 where the completion or trajectory achieved the task
 
 
 def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device) -> Batch:
@@ -245,9 +247,11 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     answers = [a for a in rows["answer"] for _ in range(G)]
     keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
-    out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device)
-    rewards = torch.tensor(task.reward(out.texts, answers), device=device)
-    return Batch(index, version, out, rewards, time.perf_counter() - t0)
+    out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
+                  task.envs(answers))  # envs: multi-turn tasks only
+    rewards = torch.tensor(task.score(out, answers), device=device)
+    successes = torch.tensor(task.successes(out, answers), device=device).float()
+    return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -381,9 +385,11 @@ def m2po_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torc
     return out
 
 
-def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens):
+def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens,
+               turn_ids=None, max_turns=1):
     """Per-token corrected surrogate plus beta * KL, aggregated with the whole batch's counts.
-    `mask` is the training mask (completion tokens, times M for m2po)."""
+    `mask` is the training mask (completion tokens, times M for m2po); with turn_ids (multi-turn), the
+    clip and ratio statistics per model turn too."""
     A = advantages[:, None]
     w = torch.exp(old_logps - behav_logps)  # behaviour weight pi_old / mu (no gradient: both are fixed)
     if args.correction in ("none", "m2po"):
@@ -405,14 +411,17 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
         clip = args.correction != "m2po"
+        clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0) & clip, (ratio > 1 + args.eps_high) & (A > 0) & clip
         stats = {
             "ratio": ratio[m].sum(),
             "approx_kl": kl_estimate(logps, old_logps, "k3")[m].sum(),  # k3 of KL(pi_theta || pi_old)
-            "clip_low": ((ratio < 1 - args.eps_low) & (A < 0) & clip)[m].sum(),
-            "clip_high": ((ratio > 1 + args.eps_high) & (A > 0) & clip)[m].sum(),
+            "clip_low": clip_low[m].sum(),
+            "clip_high": clip_high[m].sum(),
             "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
             "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
         }
+        if turn_ids is not None:  # tokens masked out (m2po) leave the by-turn counts too
+            stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, torch.where(m, turn_ids, -1), max_turns)
     return loss, stats
 
 
@@ -435,7 +444,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     batch's second moment before its first gradient, so it gets pi_old from an extra no-grad pass."""
     mask = batch.completion_mask
     chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
-    inputs = [(batch.prompt_ids[r], batch.prompt_mask[r], batch.completion_ids[r], mask[r]) for r in chunks]
+    # attention on model and environment tokens; the loss on the model's (mask) only
+    inputs = [(batch.prompt_ids[r], batch.prompt_mask[r], batch.completion_ids[r], batch.attention_mask[r]) for r in chunks]
     old_logps, behav_logps, ref_logps, kl_ref, entropy = {}, {}, {}, 0.0, 0.0
 
     def set_pi_old(j: int, logps: torch.Tensor) -> None:  # and mu: on a batch of staleness 0, mu is pi_old
@@ -462,8 +472,9 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
                     with torch.no_grad():
                         ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps.get(j), advantages[rows],
-                                          train_mask[rows], args, mask.shape[0], num_tokens)
+                                          train_mask[rows], args, mask.shape[0], num_tokens, turn_ids, batch.max_turns)
             accelerator.backward(loss)
             stats.append({**step_stats, "loss": loss.detach()})
         grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
@@ -487,6 +498,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     }
     if ref is not None:
         metrics["policy/kl_ref"] = float(kl_ref) / mask.sum().item()
+    if batch.turn_ids is not None:  # multi-turn: clipping by position in the trajectory
+        metrics.update(turn_metrics(sum(s["by_turn"] for s in stats)))
     return metrics
 
 
@@ -574,7 +587,7 @@ def main(args: Args) -> None:
                 "reward/mean": rewards.mean().item(),
                 "reward/std": rewards.std().item(),
                 "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
-                "accuracy/train": (rewards >= 1.0).float().mean().item(),
+                "accuracy/train": batch.successes.mean().item(),
                 "frac_reward_zero_std": frac_zero_std(rewards, G),
                 "completions/mean_length": lengths.mean().item(),
                 "completions/clipped_frac": 1.0 - batch.rollout.finished.float().mean().item(),
@@ -589,6 +602,8 @@ def main(args: Args) -> None:
                 "throughput/samples_per_s": len(rewards) / (learner_wait_s + train_s),
                 "throughput/tokens_per_s": lengths.sum().item() / (learner_wait_s + train_s),
             })
+            if batch.rollout.turn_ids is not None:
+                metrics.update(trajectory_metrics(trajectory_lengths(batch.rollout)))
             if step == args.steps or (args.eval_every and step % args.eval_every == 0):
                 metrics.update(eval_now())
             writer.log(step, metrics)

@@ -53,6 +53,7 @@ from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, rollout, token_logprobs
 from common.tasks import load_task
 
@@ -74,7 +75,7 @@ class Args:
     model: str = "embedded"
     """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
     task: str = "reverse"
-    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    """reverse | add | chain-N[-partial|-sum] (embedded, offline; chain: multi-turn) | gsm8k (hub or --data-path)"""
     data_path: str | None = None
     """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
     train_size: int | None = None
@@ -182,14 +183,16 @@ def adaptive_eps_high(advantages, group_size: int, eps_low: float, eps_high_max:
     return eps_low + (eps_high_max - eps_low) * signal
 
 
-def correct_per_group(rewards, group_size: int):
-    """c of each completion's group: how many of its G completions have reward 1."""
-    c = (rewards >= 1.0).view(-1, group_size).sum(dim=1)
+def correct_per_group(successes, group_size: int):
+    """c of each completion's group: how many of its G completions succeeded (reward 1 on a single-turn task)."""
+    c = (successes >= 1.0).view(-1, group_size).sum(dim=1)
     return c.repeat_interleave(group_size)
 
 
-def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: Args, num_seqs, num_tokens):
-    """Clipped surrogate with a per-completion upper bound, plus beta * KL, aggregated with the whole batch's counts."""
+def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: Args, num_seqs, num_tokens,
+              turn_ids=None, max_turns=1):
+    """Clipped surrogate with a per-completion upper bound, plus beta * KL, aggregated with the whole batch's
+    counts; with turn_ids (multi-turn), the clip and ratio statistics per model turn too."""
     log_ratio = logps - old_logps
     if args.ratio_level == "sequence":  # s_i = exp(mean_t log r_it), the same for every token of y_i
         log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(logps)
@@ -216,6 +219,8 @@ def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: 
             "clip_by_c": group_of_c @ ((clip_low | clip_high) & m).sum(-1).float(),
             "deviation_by_c": group_of_c @ ((ratio - 1).abs() * mask).sum(-1),
         }
+        if turn_ids is not None:
+            stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, turn_ids, max_turns)
     return loss, stats
 
 
@@ -230,7 +235,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
         for j, rows in enumerate(chunks):
-            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            # attention on model and environment tokens; the loss on the model's (mask) only
+            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], batch.attention_mask[rows])
             logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
             if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
                 old_logps[j] = logps.detach()
@@ -239,8 +245,9 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
                     with torch.no_grad():
                         ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = gapo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], eps_high[rows],
-                                         c[rows], mask[rows], args, num_seqs, num_tokens)
+                                         c[rows], mask[rows], args, num_seqs, num_tokens, turn_ids, batch.max_turns)
             # DDP averages gradients over processes; the loss is already this process's share of the global sum
             with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
@@ -274,6 +281,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
         if tokens > 0:  # only the values of c that occurred in this batch
             metrics[f"clip/frac_c{c_value}"] = by_c["clip_by_c"][c_value].item() / tokens
             metrics[f"clip/ratio_dev_c{c_value}"] = by_c["deviation_by_c"][c_value].item() / tokens
+    if batch.turn_ids is not None:  # multi-turn: clipping by position in the trajectory
+        metrics.update(turn_metrics(accelerator.reduce(sum(s["by_turn"] for s in stats), "sum")))
     return metrics
 
 
@@ -333,13 +342,14 @@ def main(args: Args) -> None:
         # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device)
+                        args.temperature, eos_ids, device, task.envs(answers))  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
-        rewards = accelerator.gather(torch.tensor(task.reward(batch.texts, answers), device=device))
+        rewards = accelerator.gather(torch.tensor(task.score(batch, answers), device=device))
+        successes = accelerator.gather(torch.tensor(task.successes(batch, answers), device=device).float())
         mine = slice(rank * P * G, (rank + 1) * P * G)
         advantages = group_advantages(rewards, G, "none")  # centred, not divided by the std
         eps_high = adaptive_eps_high(advantages, G, args.eps_low, args.eps_high_max)
-        advantages, eps_high, c = advantages[mine], eps_high[mine], correct_per_group(rewards, G)[mine]
+        advantages, eps_high, c = advantages[mine], eps_high[mine], correct_per_group(successes, G)[mine]
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
         t0 = time.perf_counter()
@@ -352,7 +362,7 @@ def main(args: Args) -> None:
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
             "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
-            "accuracy/train": (rewards >= 1.0).float().mean().item(),
+            "accuracy/train": successes.mean().item(),
             "frac_reward_zero_std": frac_zero_std(rewards, G),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_frac": 1.0 - finished.mean().item(),
@@ -361,6 +371,8 @@ def main(args: Args) -> None:
             "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
             "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
         })
+        if batch.turn_ids is not None:
+            metrics.update(trajectory_metrics(accelerator.gather(trajectory_lengths(batch))))
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(eval_now())
         if writer:

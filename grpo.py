@@ -19,6 +19,7 @@ policy/clip_frac_* show it.
 
 Run:
     python grpo.py                                        # the embedded job: offline, under 2 minutes on 2 CPU cores
+    python grpo.py --task chain-4-partial                 # multi-turn: 4 model turns, credit per correct turn
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --max-new-tokens 256 --lr 1e-6
     accelerate launch --num_processes 2 grpo.py ...       # prompts sharded, gradients averaged
 """
@@ -45,6 +46,7 @@ from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, rollout, token_logprobs
 from common.tasks import load_task
 
@@ -66,7 +68,7 @@ class Args:
     model: str = "embedded"
     """hub id or local directory; `embedded` is the tiny warm-started model of an embedded --task"""
     task: str = "reverse"
-    """reverse | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
+    """reverse | add | chain-N[-partial|-sum] (embedded, offline; chain: multi-turn) | gsm8k (hub or --data-path)"""
     data_path: str | None = None
     """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
     train_size: int | None = None
@@ -163,8 +165,9 @@ def check_resume(args: Args, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- the GRPO objective
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens):
-    """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts."""
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens, turn_ids=None, max_turns=1):
+    """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts; with
+    turn_ids (multi-turn), the clip and ratio statistics per model turn too."""
     ratio = torch.exp(logps - old_logps)  # r_it; == 1 on the first pass over a batch
     A = advantages[:, None]
     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
@@ -175,13 +178,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
         log_old_over_new = old_logps - logps
+        clip_low = (ratio < 1 - args.eps_low) & (A < 0)  # the clip binds from below
+        clip_high = (ratio > 1 + args.eps_high) & (A > 0)  # the clip binds from above
         stats = {
             "ratio": ratio[m].sum(),
-            "clip_low": ((ratio < 1 - args.eps_low) & (A < 0))[m].sum(),  # the clip binds from below
-            "clip_high": ((ratio > 1 + args.eps_high) & (A > 0))[m].sum(),  # the clip binds from above
+            "clip_low": clip_low[m].sum(),
+            "clip_high": clip_high[m].sum(),
             "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
             "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
         }
+        if turn_ids is not None:
+            stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, turn_ids, max_turns)
     return loss, stats
 
 
@@ -196,7 +203,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
         for j, rows in enumerate(chunks):
-            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            # attention on model and environment tokens; the loss on the model's (mask) only
+            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], batch.attention_mask[rows])
             logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
             if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
                 old_logps[j] = logps.detach()
@@ -205,8 +213,9 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
                     with torch.no_grad():
                         ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
+            turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
-                                         num_seqs, num_tokens)
+                                         num_seqs, num_tokens, turn_ids, batch.max_turns)
             # DDP averages gradients over processes; the loss is already this process's share of the global sum
             with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
@@ -235,6 +244,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
     }
     if ref is not None:
         metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
+    if batch.turn_ids is not None:  # multi-turn: clipping by position in the trajectory
+        metrics.update(turn_metrics(accelerator.reduce(sum(s["by_turn"] for s in stats), "sum")))
     return metrics
 
 
@@ -291,9 +302,10 @@ def main(args: Args) -> None:
         # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device)
+                        args.temperature, eos_ids, device, task.envs(answers))  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
-        rewards = accelerator.gather(torch.tensor(task.reward(batch.texts, answers), device=device))
+        rewards = accelerator.gather(torch.tensor(task.score(batch, answers), device=device))
+        successes = accelerator.gather(torch.tensor(task.successes(batch, answers), device=device).float())
         advantages = group_advantages(rewards, G, args.scale_rewards)[rank * P * G : (rank + 1) * P * G]
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
@@ -307,7 +319,7 @@ def main(args: Args) -> None:
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
             "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
-            "accuracy/train": (rewards >= 1.0).float().mean().item(),
+            "accuracy/train": successes.mean().item(),
             "frac_reward_zero_std": frac_zero_std(rewards, G),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_frac": 1.0 - finished.mean().item(),
@@ -316,6 +328,8 @@ def main(args: Args) -> None:
             "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
             "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
         })
+        if batch.turn_ids is not None:
+            metrics.update(trajectory_metrics(accelerator.gather(trajectory_lengths(batch))))
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(eval_now())
         if writer:

@@ -318,6 +318,8 @@ def main(args: Args) -> None:
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
     task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
+    check(task.env is None, f"--task {args.task} is multi-turn: ppo.py trains on single completions (its critic and GAE "
+                            "would have to skip the environment's tokens); use grpo.py, gapo.py, is_grpo.py or async_grpo.py")
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task)

@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # no "Loading weights" bars between our own progress bar's lines
 
 from common.cli import ConfigError
-from common.tasks import EMBEDDED_TASKS
+from common.tasks import embedded_model_name
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 CHARS = "0123456789+-*/=<>:;.,?!()[]#$% abcdefghijklmnopqrstuvwxyz"
@@ -40,11 +40,12 @@ def resolve_model(model: str, task: str) -> str:
     """`embedded` -> the shipped directory of the task's tiny model; anything else unchanged."""
     if model != "embedded":
         return model
-    if task not in EMBEDDED_TASKS:
+    name = embedded_model_name(task)
+    if name is None:
         raise ConfigError(f"--task {task} has no embedded model: pass --model <hub id or local directory>")
-    path = WEIGHTS_DIR / task
+    path = WEIGHTS_DIR / name
     if not (path / "config.json").is_file():
-        raise ConfigError(f"embedded model for {task!r} is missing at {path}: run `python -m common.embedded {task}`")
+        raise ConfigError(f"embedded model for {task!r} is missing at {path}: run `python -m common.embedded {name}`")
     return str(path)
 
 

@@ -31,6 +31,18 @@ class Rollout:
     logprobs: torch.Tensor  # (B, T) behaviour log-probs at the sampling temperature, 0 where masked
     finished: torch.Tensor  # (B,) True where the completion ended with EOS
     texts: list[str]  # decoded completions, without special tokens
+    # Multi-turn trajectories (common/multiturn.py) fill the rest; a single-turn rollout leaves the defaults.
+    attention_mask: torch.Tensor | None = None  # (B, T) 1 on model AND environment tokens; completion_mask if None
+    rewards: list[float] | None = None  # trajectory reward: the environment's turn rewards summed
+    successes: list[bool] | None = None  # whether each trajectory achieved the task
+    turn_rewards: list[list[float]] | None = None  # the environment's reward after each model turn
+    turn_texts: list[list[str]] | None = None  # each model turn, decoded
+    turn_ids: torch.Tensor | None = None  # (B, T) k on the tokens of model turn k (0-based), -1 elsewhere
+    max_turns: int = 1
+
+    def __post_init__(self):
+        if self.attention_mask is None:  # one completion: attend to exactly the tokens trained on
+            self.attention_mask = self.completion_mask
 
 
 def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +121,13 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
-            temperature: float, eos_ids: list[int], device) -> Rollout:
-    """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]."""
+            temperature: float, eos_ids: list[int], device, envs: list | None = None) -> Rollout:
+    """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
+    envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py."""
+    if envs is not None:
+        from common.multiturn import multi_turn_rollout
+
+        return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     uniforms = row_uniforms(keys, max_new_tokens, device) if temperature > 0 else None
     was_training = model.training
@@ -179,13 +196,16 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     idx = list(range(rank, len(task.test), world))
     shard = task.test.select(idx)
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
+    repeated = [a for a in answers for _ in range(n)]
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
-                      [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device)
-    rewards = task.reward(sampled.texts, [a for a in answers for _ in range(n)])
-    greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device)
-    greedy_rewards = task.reward(greedy.texts, answers)
-    per_prompt = [(sum(r >= 1.0 for r in rewards[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
-                   float(greedy_rewards[j] >= 1.0)) for j in range(len(idx))]
+                      [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
+                      task.envs(repeated))
+    rewards, successes = task.score(sampled, repeated), task.successes(sampled, repeated)
+    greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
+                     task.envs(answers))
+    greedy_successes = task.successes(greedy, answers)
+    per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
+                   float(greedy_successes[j])) for j in range(len(idx))]
     per_prompt = gather_object(per_prompt) if world > 1 else per_prompt
     m = len(per_prompt)
     return {

@@ -8,6 +8,11 @@ Embedded tasks (offline, generated from a fixed seed, each with a warm-started t
     reverse       "40213>" -> "31204"      exact match (the default job; 3-5 digits)
     reverse-long  "510293>" -> "392015"    exact match, 4-6 digits: a hard task (base pass@1 under 15 %)
     add           "47+85=" -> "132"        partial progress: fraction of digits right, aligned on the units
+    chain-N       multi-turn (N model turns, 2 <= N <= 16): a running sum mod 10, one operand a turn,
+                  "4+3=" -> "7", env "+5=" -> "2", env "+9=" -> "1"; success: the last sum is right.
+                  chain-N: outcome reward (1 at the last turn if right); chain-N-partial: 1/N per turn
+                  whose sum is right (progress credit); chain-N-sum: the two added. One warm-started
+                  model (common/weights/chain) serves every N.
 Real task:
     gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
              `answer` fields; the reference answer is the number after `####` (or the whole answer).
@@ -27,8 +32,9 @@ from datasets import Dataset
 
 from common.cli import ConfigError
 
-EMBEDDED_TASKS = ("reverse", "reverse-long", "add")
-TASKS = EMBEDDED_TASKS + ("gsm8k",)
+EMBEDDED_TASKS = ("reverse", "reverse-long", "add")  # single-turn; each has a model in common/weights/<name>
+EMBEDDED_MODELS = EMBEDDED_TASKS + ("chain",)  # the directories of common/weights/
+TASKS = ("reverse", "reverse-long", "add", "chain-N[-partial|-sum]", "gsm8k")
 DATA_SEED = 1234  # the embedded data sets are the same for every run and every seed
 
 
@@ -38,7 +44,20 @@ class Task:
     train: Dataset
     test: Dataset
     reward: Callable[[list[str], list[str]], list[float]]
-    max_new_tokens: int  # default completion budget for this task
+    max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
+    env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
+
+    def envs(self, answers: list[str]) -> list | None:
+        """One environment per row for a multi-turn task; None for a single-turn one."""
+        return None if self.env is None else [self.env(a) for a in answers]
+
+    def score(self, batch, answers: list[str]) -> list[float]:
+        """The reward of each row: the environment's, summed over turns, or the task's reward of the completion."""
+        return batch.rewards if batch.rewards is not None else self.reward(batch.texts, answers)
+
+    def successes(self, batch, answers: list[str]) -> list[bool]:
+        """What pass@k counts: the environment's verdict, or a reward of 1."""
+        return batch.successes if batch.successes is not None else [r >= 1.0 for r in self.score(batch, answers)]
 
 
 # ---------------------------------------------------------------- embedded tasks
@@ -102,6 +121,79 @@ def embedded_task(name: str, num_test: int = 128, num_train: int = 5000) -> Task
     train = embedded_dataset(name, num_train, DATA_SEED + 1, exclude=set(test["prompt"]))
     reward = digit_match_reward if name == "add" else exact_match_reward
     return Task(name, train, test, reward, max_new_tokens=8)
+
+
+# ---------------------------------------------------------------- the multi-turn chain
+CHAIN = re.compile(r"chain-(\d+)(?:-(partial|sum))?")
+CHAIN_MAX_TURNS = 16  # the tiny model has 128 positions: 4 + 16 * 2 + 15 * 3 tokens
+
+
+def chain_example(rng: random.Random, turns: int) -> tuple[str, str]:
+    """The prompt (first two operands) and the answer: all turns + 1 operands, e.g. ("4+3=", "4359")."""
+    operands = "".join(rng.choice("0123456789") for _ in range(turns + 1))
+    return f"{operands[0]}+{operands[1]}=", operands
+
+
+def running_sums(operands: str) -> list[str]:
+    """The right answer of each turn: sum of the operands so far, mod 10."""
+    sums, total = [], int(operands[0])
+    for d in operands[1:]:
+        total = (total + int(d)) % 10
+        sums.append(str(total))
+    return sums
+
+
+class ChainEnv:
+    """Add the next operand to the running sum (mod 10), one turn at a time."""
+
+    max_tokens = 124  # the tiny model's 128 positions less the 4-token prompt
+
+    def __init__(self, operands: str, reward: str = "outcome"):
+        self.sums, self.operands, self.reward = running_sums(operands), operands, reward
+        self.max_turns = len(self.sums)
+        self.turn, self.success = 0, False
+
+    def reset(self, prompt: str) -> str:
+        self.turn, self.success = 0, False
+        return prompt
+
+    def step(self, turn: str) -> tuple[str, float, bool]:
+        right = turn.strip() == self.sums[self.turn]
+        self.turn += 1
+        done = self.turn == self.max_turns
+        self.success = done and right
+        outcome, partial = float(done and right), right / self.max_turns  # partial: credit per correct step
+        reward = {"outcome": outcome, "partial": partial, "sum": outcome + partial}[self.reward]
+        return ("" if done else f"+{self.operands[self.turn + 1]}="), reward, done
+
+
+def chain_dataset(turns: int, n: int, seed: int, exclude: set[str] = frozenset()) -> Dataset:
+    """n distinct operand sequences (fewer if 10^(turns + 1) - |exclude| is smaller), none in exclude."""
+    n = min(n, 10 ** (turns + 1) - len(exclude))
+    rng, rows, seen = random.Random(seed), [], set(exclude)
+    while len(rows) < n:
+        prompt, answer = chain_example(rng, turns)
+        if answer not in seen:
+            seen.add(answer)
+            rows.append({"prompt": prompt, "answer": answer})
+    return Dataset.from_list(rows)
+
+
+def chain_task(name: str, num_test: int = 128, num_train: int = 5000) -> Task:
+    match = CHAIN.fullmatch(name)
+    turns, reward = int(match.group(1)), match.group(2) or "outcome"
+    if not 2 <= turns <= CHAIN_MAX_TURNS:
+        raise ConfigError(f"--task {name}: the number of turns must be in [2, {CHAIN_MAX_TURNS}] (got {turns})")
+    test = chain_dataset(turns, num_test, DATA_SEED)
+    train = chain_dataset(turns, num_train, DATA_SEED + 1, exclude=set(test["answer"]))
+    return Task(name, train, test, reward=None, max_new_tokens=3, env=lambda answer: ChainEnv(answer, reward))
+
+
+def embedded_model_name(task: str) -> str | None:
+    """The directory under common/weights/ of a task's embedded model (every chain-N shares `chain`)."""
+    if CHAIN.fullmatch(task):
+        return "chain"
+    return task if task in EMBEDDED_TASKS else None
 
 
 # ---------------------------------------------------------------- GSM8K
@@ -202,12 +294,12 @@ def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int)
 def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128,
               train_size: int | None = None) -> Task:
     """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often)."""
-    if name not in TASKS:
+    if embedded_model_name(name) is None and name != "gsm8k":
         raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
-    if name in EMBEDDED_TASKS:
+    if name != "gsm8k":
         if data_path is not None:
             raise ConfigError(f"--data-path is only used with --task gsm8k, not with the embedded task {name!r}")
-        task = embedded_task(name, num_test)
+        task = chain_task(name, num_test) if CHAIN.fullmatch(name) else embedded_task(name, num_test)
     else:
         task = gsm8k_task(data_path, eval_data_path, num_test)
     if train_size is not None:

@@ -27,17 +27,20 @@ def test_warm_start_build_is_deterministic_and_loads_with_from_pretrained(tmp_pa
 
 def test_embedded_resolves_only_for_embedded_tasks():
     assert resolve_model("embedded", "reverse").endswith("weights/reverse")
+    assert resolve_model("embedded", "chain-8-partial").endswith("weights/chain")  # one model for every chain-N
     assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k") == "Qwen/Qwen2.5-0.5B-Instruct"
     with pytest.raises(ConfigError, match="--task gsm8k has no embedded model"):
         resolve_model("embedded", "gsm8k")
 
 
-@pytest.mark.parametrize("task, pass1_range", [("reverse", (0.08, 0.3)), ("reverse-long", (0.03, 0.15)), ("add", (0.15, 0.4))])
+@pytest.mark.parametrize("task, pass1_range", [("reverse", (0.08, 0.3)), ("reverse-long", (0.03, 0.15)), ("add", (0.15, 0.4)),
+                                              ("chain-4", (0.1, 0.3))])
 def test_shipped_base_models_are_right_some_but_not_most_of_the_time(task, pass1_range):
     """The base policy RL starts from: sampled pass@1 well under 1, greedy and pass@8 well over it."""
     path = resolve_model("embedded", task)
     model, tokenizer = load_model(path), load_tokenizer(path)
-    metrics = evaluate(model, tokenizer, load_task(task, num_test=64), n=8, k=8, max_new_tokens=8, temperature=1.0,
+    held_out = load_task(task, num_test=64)
+    metrics = evaluate(model, tokenizer, held_out, n=8, k=8, max_new_tokens=held_out.max_new_tokens, temperature=1.0,
                        eos_ids=eos_token_ids(model, tokenizer), device="cpu", seed=0)
     low, high = pass1_range
     assert low <= metrics["eval/pass@1"] <= high, metrics

@@ -1,0 +1,169 @@
+"""Multi-turn trajectories: model turns and environment observations interleaved in one sequence."""
+
+import pytest
+import torch
+from conftest import latest_weights, small_args
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import async_grpo
+import gapo
+import grpo
+import is_grpo
+import ppo
+from common.cli import ConfigError
+from common.logging import read_metrics
+from common.multiturn import turn_metrics, turn_stats
+from common.rollout import rollout, token_logprobs
+from common.tasks import ChainEnv, load_task, running_sums
+
+EOS = 2
+
+
+class ScriptedModel(torch.nn.Module):
+    """A 'model' that answers each chain turn with script[k] (k = turns so far), then EOS: its logits put
+    all mass on the scripted token. The cache is the context itself, so rollout.sample runs unchanged."""
+
+    def __init__(self, tokenizer, script: list[str]):
+        super().__init__()
+        self.tokenizer, self.script = tokenizer, script
+        self.generation_config = None
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None, past_key_values=None):
+        context = input_ids if past_key_values is None else torch.cat([past_key_values, input_ids], dim=1)
+        logits = torch.full((*input_ids.shape, len(self.tokenizer)), -1e4)
+        for b, row in enumerate(context.tolist()):
+            turns = row.count(EOS)
+            answered = row[-1] not in self.tokenizer.convert_tokens_to_ids(["="])  # the turn's digit is out
+            nxt = EOS if answered else self.tokenizer.convert_tokens_to_ids(self.script[turns])
+            logits[b, -1, nxt] = 0.0
+        return CausalLMOutputWithPast(logits=logits, past_key_values=context)
+
+
+def scripted_rollout(tokenizer, task_name, operands, script):
+    task = load_task(task_name, num_test=4)
+    prompt = f"{operands[0]}+{operands[1]}="
+    return rollout(ScriptedModel(tokenizer, script), tokenizer, [prompt], [(0,)], 3, 0.0, [EOS], "cpu",
+                   task.envs([operands]))
+
+
+@pytest.mark.parametrize("reward, expected", [
+    ("outcome", [0.0, 0.0, 1.0]),              # paid at the last turn only, if the final sum is right
+    ("partial", [1 / 3, 0.0, 1 / 3]),          # 1/N per turn whose running sum is right
+    ("sum", [1 / 3, 0.0, 1 + 1 / 3]),
+])
+def test_rewards_per_step_on_a_scripted_trajectory(tokenizer, reward, expected):
+    # operands 4 3 5 9: running sums 7 2 1. The script errs on turn 2 ("3") and recovers by chance on turn 3.
+    name = "chain-3" if reward == "outcome" else f"chain-3-{reward}"
+    batch = scripted_rollout(tokenizer, name, "4359", ["7", "3", "1"])
+    assert batch.turn_texts == [["7", "3", "1"]]
+    assert batch.turn_rewards[0] == pytest.approx(expected)
+    assert batch.rewards[0] == pytest.approx(sum(expected))
+    assert batch.successes == [True] and batch.finished.tolist() == [True]
+    # the whole sequence after the prompt: 7<eos>+5=3<eos>+9=1<eos>
+    assert batch.completion_ids[0].tolist() == tokenizer.convert_tokens_to_ids(list("7")) + [EOS] + \
+        tokenizer.convert_tokens_to_ids(list("+5=3")) + [EOS] + tokenizer.convert_tokens_to_ids(list("+9=1")) + [EOS]
+
+
+def test_chain_env_success_is_the_final_sum_whatever_the_reward():
+    env = ChainEnv("4359", reward="partial")
+    assert env.reset("4+3=") == "4+3=" and running_sums("4359") == ["7", "2", "1"]
+    assert env.step("7") == ("+5=", pytest.approx(1 / 3), False)
+    assert env.step(" 2 ") == ("+9=", pytest.approx(1 / 3), False)
+    assert env.step("0") == ("", 0.0, True) and not env.success
+
+
+def test_training_mask_covers_exactly_the_model_tokens(tiny_model, tokenizer):
+    task = load_task("chain-4", num_test=8)
+    rows = task.test.select(range(8))
+    batch = rollout(tiny_model, tokenizer, rows["prompt"], [(3, i) for i in range(8)], 3, 1.0, [EOS], "cpu",
+                    task.envs(rows["answer"]))
+    for b, operands in enumerate(rows["answer"]):
+        n = int(batch.attention_mask[b].sum())
+        assert batch.attention_mask[b, :n].all() and not batch.attention_mask[b, n:].any()  # no holes, pad after
+        ids, mask, turn = batch.completion_ids[b, :n], batch.completion_mask[b, :n].bool(), batch.turn_ids[b, :n]
+        # the model's tokens, turn by turn, are exactly what it said; everything else is the env's observations
+        for k, text in enumerate(batch.turn_texts[b]):
+            assert tokenizer.decode(ids[turn == k], skip_special_tokens=True) == text
+        turns = len(batch.turn_texts[b])
+        observations = "".join(f"+{d}=" for d in operands[2 : turns + 1])
+        assert tokenizer.decode(ids[~mask]) == observations
+        assert (mask == (turn >= 0)).all() and (batch.logprobs[b, :n][~mask] == 0).all()
+        assert not batch.completion_mask[b, n:].any()
+
+
+def test_logprobs_recomputed_over_the_interleaved_sequence_equal_those_recorded(tiny_model, tokenizer):
+    task = load_task("chain-6", num_test=8)
+    rows = task.test.select(range(8))
+    batch = rollout(tiny_model, tokenizer, rows["prompt"], [(5, i) for i in range(8)], 3, 1.0, [EOS], "cpu",
+                    task.envs(rows["answer"]))
+    assert (batch.attention_mask.sum(-1) > batch.completion_mask.sum(-1)).all()  # observations are in there
+    mask = batch.completion_mask.bool()
+    with torch.no_grad():
+        logps, _ = token_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.attention_mask)
+        hidden, _ = token_logprobs(tiny_model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    assert torch.allclose(logps[mask], batch.logprobs[mask], atol=1e-5)
+    # attending with the training mask (observations hidden) scores the tokens in another context
+    assert (hidden[mask] - batch.logprobs[mask]).abs().max() > 1e-3
+
+
+def test_a_trajectory_depends_on_its_key_not_on_its_batch(tiny_model, tokenizer):
+    task = load_task("chain-4", num_test=8)
+    rows = task.test.select(range(4))
+    batch = rollout(tiny_model, tokenizer, rows["prompt"], [(9, i) for i in range(4)], 3, 1.0, [EOS], "cpu",
+                    task.envs(rows["answer"]))
+    alone = rollout(tiny_model, tokenizer, rows["prompt"][2:3], [(9, 2)], 3, 1.0, [EOS], "cpu", task.envs(rows["answer"][2:3]))
+    n = int(alone.attention_mask.sum())
+    assert batch.completion_ids[2, :n].tolist() == alone.completion_ids[0].tolist()
+    assert batch.turn_rewards[2] == alone.turn_rewards[0]
+
+
+def test_turn_and_token_budgets_end_a_trajectory(tokenizer):
+    class ShortBudget(ChainEnv):
+        max_tokens = 6  # "7<eos>+5=" is 5 tokens: the second turn is cut after 1 token
+
+    batch = rollout(ScriptedModel(tokenizer, ["7", "2", "1"]), tokenizer, ["4+3="], [(0,)], 3, 0.0, [EOS], "cpu",
+                    [ShortBudget("4359")])
+    assert batch.completion_ids[0].tolist() == tokenizer.convert_tokens_to_ids(list("7")) + [EOS] + \
+        tokenizer.convert_tokens_to_ids(list("+5=2"))
+    assert batch.turn_texts == [["7", "2"]] and batch.finished.tolist() == [False] and batch.successes == [False]
+    assert batch.completion_mask[0].tolist() == [1, 1, 0, 0, 0, 1]
+
+
+def test_by_turn_statistics_add_up_over_micro_batches():
+    ratio = torch.tensor([[1.0, 1.2, 1.0, 0.5], [0.9, 1.0, 1.4, 1.0]])
+    clipped = ratio > 1.3
+    turn_ids = torch.tensor([[0, 0, -1, 1], [0, -1, 1, -1]])
+    whole = turn_stats(ratio, clipped, turn_ids, 3)
+    assert torch.equal(whole, turn_stats(ratio[:1], clipped[:1], turn_ids[:1], 3) + turn_stats(ratio[1:], clipped[1:], turn_ids[1:], 3))
+    metrics = turn_metrics(whole)
+    assert metrics["turns/clip_frac_t1"] == 0 and metrics["turns/clip_frac_t2"] == 0.5
+    assert metrics["turns/ratio_std_t2"] == pytest.approx(torch.tensor([0.5, 1.4]).std(unbiased=False).item())
+    assert "turns/clip_frac_t3" not in metrics  # no tokens at turn 3
+
+
+def test_bad_chain_names_are_refused():
+    with pytest.raises(ConfigError, match=r"number of turns must be in \[2, 16\]"):
+        load_task("chain-1")
+    with pytest.raises(ConfigError, match="is not one of"):
+        load_task("chain-4-dense")
+
+
+# ---------------------------------------------------------------- the scripts run it by --task, in their own loop
+@pytest.mark.parametrize("script", [grpo, gapo, is_grpo, async_grpo], ids=lambda m: m.__name__)
+def test_scripts_train_on_a_multi_turn_task_and_log_by_turn(tmp_path, script):
+    extra = {"mode": "emulated", "max_staleness": 1} if script is async_grpo else {}
+    script.main(small_args(script, tmp_path, task="chain-3-partial", steps=2, num_iterations=2, **extra))
+    rows = read_metrics(tmp_path / "run")
+    step = rows[-1]
+    assert step["trajectory/turns"] == 3 and step["trajectory/model_tokens"] == pytest.approx(6, abs=0.5)
+    assert step["trajectory/tokens"] == pytest.approx(step["trajectory/model_tokens"] + 6)  # two observations "+d="
+    assert {f"turns/clip_frac_t{k}" for k in (1, 2, 3)} <= step.keys() and "turns/clip_frac_t4" not in step
+    assert max(step[f"turns/ratio_std_t{k}"] for k in (1, 2, 3)) > 0  # the second pass moved the ratios
+    assert 0 <= step["reward/mean"] <= 1 and 0 <= rows[0]["eval/pass@1"] <= 1
+    assert latest_weights(tmp_path / "run").config.num_hidden_layers == 2
+
+
+def test_ppo_refuses_a_multi_turn_task_before_building_a_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match="--task chain-4 is multi-turn: ppo.py"):
+        ppo.main(small_args(ppo, tmp_path, task="chain-4"))

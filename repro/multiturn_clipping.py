@@ -1,9 +1,9 @@
 """Clipping against trajectory length, on the multi-turn chain task.
 
-    python repro/multiturn_clipping.py       # 24 runs, two at a time: ~35 minutes on 2 CPU cores
+    python repro/multiturn_clipping.py       # 24 runs, two at a time: ~25 minutes on 2 CPU cores
 
 Task chain-N (running sum mod 10, one operand per model turn; outcome reward: 1 if the last sum is
-right) at three lengths: short N = 2, medium N = 4, long N = 8 model turns (9, 17 and 33 tokens after
+right) at three lengths: short N = 2, medium N = 4, long N = 8 model turns (7, 17 and 37 tokens after
 the prompt, of which 4, 8 and 16 are the model's). At each length, four clip settings, all with
 --num-iterations 2 (so the second pass over a batch can clip) and the same prompts, steps and lr:
   eps 0.1 / 0.2 / 0.3   grpo.py, token-level ratio, eps_low = eps_high = eps
@@ -37,8 +37,7 @@ class Args:
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     workers: int = 2
     output_dir: str = "runs/repro_multiturn_clipping"
-    flags: list[str] = field(default_factory=lambda: ["--num-iterations", "2", "--steps", "150", "--lr", "1e-3",
-                                                      "--eval-every", "50"])
+    flags: list[str] = field(default_factory=lambda: ["--num-iterations", "2", "--steps", "100", "--eval-every", "25"])
     """flags given to every run"""
 
 

@@ -1,10 +1,10 @@
 """Partial-progress rewards and group-relative advantages, on the multi-turn chain task.
 
-    python repro/multiturn_rewards.py        # 9 runs, two at a time: ~25 minutes on 2 CPU cores
+    python repro/multiturn_rewards.py        # 9 runs, two at a time: ~20 minutes on 2 CPU cores
 
-Task chain-8 (8 model turns; the base model's sampled trajectories end right about 11 % of the time),
-grpo.py with group-normalised advantages (A = (R - mean) / std within each group of G = 8), three
-rewards of the same trajectories, 3 seeds, the same prompts, steps and lr:
+Task chain-8 (8 model turns; the base model's sampled trajectories end right about 15 % of the time),
+grpo.py with default flags (group-normalised advantages, A = (R - mean) / std within each group of
+G = 8), three rewards of the same trajectories, 3 seeds, the same prompts, steps and lr:
   outcome   1 if the last running sum is right (paid at the last turn)            chain-8
   partial   1/8 for each turn whose running sum is right (credit per step)        chain-8-partial
   sum       outcome + partial                                                     chain-8-sum
@@ -31,7 +31,7 @@ class Args:
     """chain length (model turns)"""
     workers: int = 2
     output_dir: str = "runs/repro_multiturn_rewards"
-    flags: list[str] = field(default_factory=lambda: ["--steps", "200", "--lr", "1e-3", "--eval-every", "20"])
+    flags: list[str] = field(default_factory=lambda: ["--steps", "150", "--eval-every", "10"])
     """flags given to every run"""
 
 

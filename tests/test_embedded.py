@@ -34,7 +34,7 @@ def test_embedded_resolves_only_for_embedded_tasks():
 
 
 @pytest.mark.parametrize("task, pass1_range", [("reverse", (0.08, 0.3)), ("reverse-long", (0.03, 0.15)), ("add", (0.15, 0.4)),
-                                              ("chain-4", (0.1, 0.3))])
+                                              ("chain-4", (0.2, 0.45))])
 def test_shipped_base_models_are_right_some_but_not_most_of_the_time(task, pass1_range):
     """The base policy RL starts from: sampled pass@1 well under 1, greedy and pass@8 well over it."""
     path = resolve_model("embedded", task)

@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from common.rollout import Rollout, completion_mask, encode_prompts, row_uniforms, sample
+
 
 class Env(Protocol):
     max_turns: int
@@ -61,8 +63,6 @@ def right_pad(rows: list[list], value, dtype, device) -> torch.Tensor:
 def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], keys: list[tuple[int, ...]],
                        max_new_tokens: int, temperature: float, eos_ids: list[int], device):
     """One trajectory per env (repeat a row G times for a group); max_new_tokens is the budget of one model turn."""
-    from common.rollout import Rollout, completion_mask, encode_prompts, row_uniforms, sample
-
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [env.reset(p) for env, p in zip(envs, prompts)], device)
     pad = tokenizer.pad_token_id
     context = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(len(envs))]

@@ -125,7 +125,7 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py."""
     if envs is not None:
-        from common.multiturn import multi_turn_rollout
+        from common.multiturn import multi_turn_rollout  # (multiturn builds on this module)
 
         return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)

@@ -62,6 +62,16 @@ def mean_over_steps(rows: list[dict], key: str) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
+def median_over_steps(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def max_over_steps(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return max(values) if values else float("nan")
+
+
 def mean_sd(values: list[float], missing: str = "–") -> str:
     """'mean ± sd' of the values that are there (None and NaN are dropped); `missing` if none is."""
     values = [v for v in values if v is not None and v == v]

@@ -9,8 +9,8 @@ G = 8), three rewards of the same trajectories, 3 seeds, the same prompts, steps
   partial   1/8 for each turn whose running sum is right (credit per step)        chain-8-partial
   sum       outcome + partial                                                     chain-8-sum
 Success is the same for all three: the last sum right (held-out pass@1 over sampled trajectories).
-Reports success, and the fraction of groups whose G rewards are all equal (zero variance: no
-group-relative signal, A = 0 for the whole group).
+Reports success (held-out pass@1) along training, and the fraction of groups whose G rewards are all
+equal (zero variance: no group-relative signal, A = 0 for the whole group).
 Writes repro/results/multiturn_rewards.{md,png}.
 """
 
@@ -47,15 +47,16 @@ def main(args: Args) -> None:
     half = steps[len(steps) // 2]
     at = lambda r, step: next(x["eval/pass@1"] for x in evals(r) if x["step"] == step)  # noqa: E731
     first = lambda r, n: [x for x in r if "frac_reward_zero_std" in x][:n]  # noqa: E731
-    lines = [f"| reward | base success | success at step {half} | final success (step {steps[-1]}) | "
-             "zero-variance groups, first 20 steps | zero-variance groups, all steps | train success, last 20 steps | runs |",
-             "|---|---|---|---|---|---|---|---|"]
+    early = [st for st in steps if 0 < st <= 30]
+    lines = ["| reward | base success | " + " | ".join(f"step {st}" for st in early) + f" | step {half} | "
+             f"final (step {steps[-1]}) | zero-variance groups, first 20 steps | zero-variance groups, all steps | runs |",
+             "|---|---|" + "---|" * len(early) + "---|---|---|---|---|"]
     for reward, rows in rows_of.items():
-        lines.append(f"| {reward} | {mean_sd([at(r, 0) for r in rows])} | {mean_sd([at(r, half) for r in rows])} | "
-                     f"{mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])} | "
+        lines.append(f"| {reward} | {mean_sd([at(r, 0) for r in rows])} | "
+                     + " | ".join(mean_sd([at(r, st) for r in rows]) for st in early) + " | "
+                     f"{mean_sd([at(r, half) for r in rows])} | {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])} | "
                      f"{mean_sd([mean_over_steps(first(r, 20), 'frac_reward_zero_std') for r in rows])} | "
-                     f"{mean_sd([mean_over_steps(r, 'frac_reward_zero_std') for r in rows])} | "
-                     f"{mean_sd([mean_over_steps(r[-20:], 'accuracy/train') for r in rows])} | {len(rows)} |")
+                     f"{mean_sd([mean_over_steps(r, 'frac_reward_zero_std') for r in rows])} | {len(rows)} |")
     text = "\n".join(lines) + "\n"
     out = save_table("multiturn_rewards", text)
     plt = pyplot()

@@ -43,7 +43,7 @@ class Task:
     name: str
     train: Dataset
     test: Dataset
-    reward: Callable[[list[str], list[str]], list[float]]
+    reward: Callable[[list[str], list[str]], list[float]] | None  # None for a multi-turn task: its environment rewards
     max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
     env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
 

@@ -20,11 +20,12 @@ Writes repro/results/multiturn_clipping[_strong].{md,png}.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
 import tyro
-from runner import Job, evals, max_over_steps, mean_over_steps, mean_sd, median_over_steps, pyplot, run_jobs, save_table
+from runner import Job, evals, mean_over_steps, mean_sd, over_steps, pyplot, run_jobs, save_table
 
 LENGTHS = {"short": 2, "medium": 4, "long": 8}
 ARMS = {
@@ -72,8 +73,8 @@ def main(args: Args) -> None:
         lines.append(f"| {length} ({LENGTHS[length]}) | {arm} | {mean_sd([evals(r)[0]['eval/pass@1'] for r in rows])} | "
                      f"{mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])} | "
                      f"{mean_sd([mean_over_steps(with_clip(r), 'clip') for r in rows], missing='–')} | "
-                     f"{mean_sd([median_over_steps(r, 'turns/ratio_std') for r in rows])} | "
-                     f"{mean_sd([max_over_steps(r, 'turns/ratio_std') for r in rows])} | {len(rows)} |")
+                     f"{mean_sd([over_steps(r, 'turns/ratio_std', statistics.median) for r in rows])} | "
+                     f"{mean_sd([over_steps(r, 'turns/ratio_std', max) for r in rows])} | {len(rows)} |")
     longest = args.lengths[-1]
     turns = range(1, LENGTHS[longest] + 1)
     lines += ["", f"By position, {longest} ({LENGTHS[longest]} turns): clip fraction (mean over steps) / ratio spread "
@@ -82,7 +83,7 @@ def main(args: Args) -> None:
     for arm in args.arms:
         rows = rows_of[(longest, arm)]
         cells = [f"{sum(mean_over_steps(r, f'turns/clip_frac_t{k}') for r in rows) / len(rows):.4f} / "
-                 f"{sum(median_over_steps(r, f'turns/ratio_std_t{k}') for r in rows) / len(rows):.4f}" for k in turns]
+                 f"{sum(over_steps(r, f'turns/ratio_std_t{k}', statistics.median) for r in rows) / len(rows):.4f}" for k in turns]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     out = save_table(f"multiturn_clipping{suffix}", text)

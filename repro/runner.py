@@ -57,19 +57,14 @@ def first_step_reaching(rows: list[dict], key: str, threshold: float) -> int | N
     return next((r["step"] for r in evals(rows) if r[key] >= threshold), None)
 
 
+def over_steps(rows: list[dict], key: str, reduce=statistics.mean) -> float:
+    """reduce (mean, median, max, ...) of rows[key] over the steps that logged it; NaN if none did."""
+    values = [r[key] for r in rows if key in r]
+    return reduce(values) if values else float("nan")
+
+
 def mean_over_steps(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return statistics.mean(values) if values else float("nan")
-
-
-def median_over_steps(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return statistics.median(values) if values else float("nan")
-
-
-def max_over_steps(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return max(values) if values else float("nan")
+    return over_steps(rows, key)
 
 
 def mean_sd(values: list[float], missing: str = "–") -> str:

@@ -249,8 +249,7 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
     out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
                   task.envs(answers))  # envs: multi-turn tasks only
-    rewards = torch.tensor(task.score(out, answers), device=device)
-    successes = torch.tensor(task.successes(out, answers), device=device).float()
+    rewards, successes = (torch.tensor(x, device=device).float() for x in task.score(out, answers))
     return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes)
 
 

@@ -345,8 +345,8 @@ def main(args: Args) -> None:
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
                         args.temperature, eos_ids, device, task.envs(answers))  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
-        rewards = accelerator.gather(torch.tensor(task.score(batch, answers), device=device))
-        successes = accelerator.gather(torch.tensor(task.successes(batch, answers), device=device).float())
+        scored = task.score(batch, answers)  # (rewards, successes)
+        rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)
         group_std = rewards.view(-1, G).std(dim=1)
         update_sigma(sigma_hat, chosen, group_std.cpu().numpy(), args.sigma_decay)
         advantages = group_advantages(rewards, G, "group")

@@ -200,10 +200,10 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
                       [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
                       task.envs(repeated))
-    rewards, successes = task.score(sampled, repeated), task.successes(sampled, repeated)
+    rewards, successes = task.score(sampled, repeated)
     greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
                      task.envs(answers))
-    greedy_successes = task.successes(greedy, answers)
+    _, greedy_successes = task.score(greedy, answers)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     per_prompt = gather_object(per_prompt) if world > 1 else per_prompt

@@ -51,13 +51,13 @@ class Task:
         """One environment per row for a multi-turn task; None for a single-turn one."""
         return None if self.env is None else [self.env(a) for a in answers]
 
-    def score(self, batch, answers: list[str]) -> list[float]:
-        """The reward of each row: the environment's, summed over turns, or the task's reward of the completion."""
-        return batch.rewards if batch.rewards is not None else self.reward(batch.texts, answers)
-
-    def successes(self, batch, answers: list[str]) -> list[bool]:
-        """What pass@k counts: the environment's verdict, or a reward of 1."""
-        return batch.successes if batch.successes is not None else [r >= 1.0 for r in self.score(batch, answers)]
+    def score(self, batch, answers: list[str]) -> tuple[list[float], list[bool]]:
+        """The reward of each row and whether it succeeded (what pass@k counts): the environment's reward
+        summed over turns and its verdict, or the task's reward of the completion and reward == 1."""
+        if batch.rewards is not None:
+            return batch.rewards, batch.successes
+        rewards = self.reward(batch.texts, answers)
+        return rewards, [r >= 1.0 for r in rewards]
 
 
 # ---------------------------------------------------------------- embedded tasks

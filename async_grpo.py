@@ -20,12 +20,16 @@ A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = 
 
     none       min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)            the "bypass": ratio to mu
     tis        min(w, C) * min(u A, clip(u, 1 - eps_low, 1 + eps_high) A)        truncated IS, C = --tis-cap
-    decoupled  w * min(u A, clip(u, ...) A), w truncated at --decoupled-cap if set  (AReaL, arXiv:2505.24298)
-    m2po       M * r A, no clip: M drops the tokens with the largest (log pi_old / mu)^2 until the
-               mean of the rest is <= --m2po-threshold               (M2PO, Zheng et al. 2025, arXiv:2510.01161)
+    decoupled  w * min(u A, clip(u, ...) A), and 0 where w > --decoupled-cap  (AReaL, arXiv:2505.24298)
+    m2po       M * r A, no clip: M drops the tokens with the largest (log pi_theta / mu)^2 until the
+               mean of the rest is <= --m2po-threshold, recomputed before every pass (M2PO, Zheng et al.
+               2025, arXiv:2510.01161; on the first pass pi_theta = pi_old)
 
-minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg. Masked tokens (m2po) leave the
-denominator too, so the kept tokens are not up-weighted. On a batch of staleness 0 mu is pi_old.
+minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg over all completion tokens: a token
+that m2po masks or the decoupled cap drops contributes 0 and still counts in the denominator (the
+paper's 1 / sum_i |o_i|; AReaL's cap does the same), so dropping tokens never up-weights the rest,
+and a batch with every token masked gives a zero surrogate, not 0 / 0. tis truncates the weight,
+decoupled drops the token: the two differ exactly where w > C. On a batch of staleness 0 mu is pi_old.
 
 Run:
     python async_grpo.py                                          # threaded, K = 1, the embedded job
@@ -135,9 +139,9 @@ class Args:
     tis_cap: float = 2.0
     """C of tis: the behaviour weight pi_old / mu is truncated at C"""
     decoupled_cap: float | None = None
-    """decoupled: truncate the behaviour weight at this value (default: no truncation)"""
+    """decoupled: tokens whose behaviour weight pi_old / mu exceeds this get weight 0 (AReaL's cap; default: none dropped)"""
     m2po_threshold: float = 0.04
-    """tau of m2po: tokens are masked until the mean (log pi_old / mu)^2 of the rest is <= tau"""
+    """tau of m2po: tokens are masked until the mean (log pi_theta / mu)^2 of the rest is <= tau (before each pass)"""
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
     num_iterations: int = 1
@@ -367,10 +371,11 @@ class EmulatedGenerator:
 
 
 # ---------------------------------------------------------------- the off-policy corrected objective
-def m2po_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """M2PO's token mask: drop the tokens with the largest second moment (log pi_old / mu)^2, largest
-    first, until the mean over the kept tokens is <= threshold. Returns 1 = kept, 0 = masked."""
-    m2 = (log_w**2)[mask.bool()]
+def m2po_mask(log_r: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's token mask M: drop the tokens with the largest second moment (log pi_theta / mu)^2,
+    largest first, until the mean over the kept tokens is <= threshold (all of them if no non-empty
+    set of kept tokens gets there). Returns 1 = kept, 0 = masked, 0 off the mask."""
+    m2 = (log_r**2)[mask.bool()]
     n = len(m2)
     sorted_m2, order = torch.sort(m2, descending=True)
     dropped_sum = torch.cat([m2.new_zeros(1), torch.cumsum(sorted_m2, 0)[:-1]])  # the j largest, j = 0..n-1
@@ -379,16 +384,18 @@ def m2po_mask(log_w: torch.Tensor, mask: torch.Tensor, threshold: float) -> torc
     n_drop = int(within[0]) if len(within) else n  # the fewest drops that satisfy the threshold
     keep = torch.ones_like(m2)
     keep[order[:n_drop]] = 0.0
-    out = torch.zeros_like(log_w)
+    out = torch.zeros_like(log_r)
     out[mask.bool()] = keep
     return out
 
 
 def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens,
-               turn_ids=None, max_turns=1):
-    """Per-token corrected surrogate plus beta * KL, aggregated with the whole batch's counts.
-    `mask` is the training mask (completion tokens, times M for m2po); with turn_ids (multi-turn), the
-    clip and ratio statistics per model turn too."""
+               keep=None, turn_ids=None, max_turns=1):
+    """Per-token corrected surrogate plus beta * KL, aggregated over the completion tokens (mask) with
+    the whole batch's counts. keep is M2PO's mask M (m2po only). Tokens that m2po masks or that the
+    decoupled cap drops get weight 0 but stay in the denominator (M2PO's 1 / sum |o_i|, AReaL's
+    behav_imp_weight_cap): dropping a token does not up-weight the others. With turn_ids (multi-turn),
+    the clip and ratio statistics per model turn too."""
     A = advantages[:, None]
     w = torch.exp(old_logps - behav_logps)  # behaviour weight pi_old / mu (no gradient: both are fixed)
     if args.correction in ("none", "m2po"):
@@ -396,13 +403,14 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     else:
         ratio = torch.exp(logps - old_logps)  # u = pi_theta / pi_old; == 1 on the first pass
     if args.correction == "m2po":
-        surrogate = ratio * A  # no clip: the mask is the trust region
+        surrogate = keep * ratio * A  # M r A, no clip: the mask is the trust region
     else:
         surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
     if args.correction == "tis":
-        surrogate = torch.clamp(w, max=args.tis_cap) * surrogate
+        surrogate = torch.clamp(w, max=args.tis_cap) * surrogate  # min(w, C): truncated
     elif args.correction == "decoupled":
-        surrogate = (w if args.decoupled_cap is None else torch.clamp(w, max=args.decoupled_cap)) * surrogate
+        dropped = w > args.decoupled_cap if args.decoupled_cap is not None else torch.zeros_like(w, dtype=torch.bool)
+        surrogate = torch.where(dropped, 0.0, w) * surrogate  # w, or 0 where w > cap: dropped, not truncated
     per_token = -surrogate
     if ref_logps is not None:
         per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
@@ -411,16 +419,18 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
         m = mask.bool()
         clip = args.correction != "m2po"
         clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0) & clip, (ratio > 1 + args.eps_high) & (A > 0) & clip
+        masked = (keep == 0) if args.correction == "m2po" else dropped if args.correction == "decoupled" else None
         stats = {
             "ratio": ratio[m].sum(),
-            "approx_kl": kl_estimate(logps, old_logps, "k3")[m].sum(),  # k3 of KL(pi_theta || pi_old)
+            "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (u - 1) - log u
             "clip_low": clip_low[m].sum(),
             "clip_high": clip_high[m].sum(),
+            "masked": masked[m].sum() if masked is not None else ratio.new_zeros(()),
             "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
             "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
         }
-        if turn_ids is not None:  # tokens masked out (m2po) leave the by-turn counts too
-            stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, torch.where(m, turn_ids, -1), max_turns)
+        if turn_ids is not None:
+            stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, turn_ids, max_turns)
     return loss, stats
 
 
@@ -440,7 +450,8 @@ def behaviour_diagnostics(old_logps, behav_logps, mask) -> dict[str, float]:
 def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
     pi_old is the learner's policy before the update: the first pass's log-probs. m2po needs the whole
-    batch's second moment before its first gradient, so it gets pi_old from an extra no-grad pass."""
+    batch's second moment at the current weights before each pass's first gradient, so it gets them
+    from an extra no-grad pass (on the first pass these are pi_old's)."""
     mask = batch.completion_mask
     chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
     # attention on model and environment tokens; the loss on the model's (mask) only
@@ -451,16 +462,18 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         old_logps[j] = logps.detach()
         behav_logps[j] = batch.logprobs[chunks[j]] if stale else old_logps[j]
 
-    train_mask = mask.float()
-    if args.correction == "m2po":
+    def m2po_keep() -> torch.Tensor:  # M from (log pi_theta / mu)^2 at the weights of this pass
         with torch.no_grad():
-            for j, x in enumerate(inputs):
-                set_pi_old(j, token_logprobs(policy, *x, args.temperature)[0])
-        train_mask = m2po_mask(torch.cat(list(old_logps.values())) - torch.cat(list(behav_logps.values())), mask,
-                               args.m2po_threshold)
-    num_tokens = train_mask.sum()  # masked tokens leave the denominator
+            now = [token_logprobs(policy, *x, args.temperature)[0] for x in inputs]
+        for j, logps in enumerate(now):
+            if j not in old_logps:
+                set_pi_old(j, logps)
+        return m2po_mask(torch.cat(now) - torch.cat([behav_logps[j] for j in range(len(chunks))]), mask, args.m2po_threshold)
+
+    num_tokens = mask.sum()
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
+        keep = m2po_keep() if args.correction == "m2po" else None
         for j, rows in enumerate(chunks):
             logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, with_entropy=iteration == 0)
             if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
@@ -473,7 +486,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
             turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps.get(j), advantages[rows],
-                                          train_mask[rows], args, mask.shape[0], num_tokens, turn_ids, batch.max_turns)
+                                          mask[rows], args, mask.shape[0], num_tokens,
+                                          keep[rows] if keep is not None else None, turn_ids, batch.max_turns)
             accelerator.backward(loss)
             stats.append({**step_stats, "loss": loss.detach()})
         grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
@@ -491,7 +505,7 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "policy/clip_frac_high": sum(s["clip_high"] for s in stats).item() / token_passes,
         "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
-        "offpolicy/mask_frac": 1.0 - num_tokens.item() / mask.sum().item(),
+        "offpolicy/mask_frac": sum(s["masked"] for s in stats).item() / token_passes,
         **behaviour_diagnostics(torch.cat([old_logps[j] for j in range(len(chunks))]),
                                 torch.cat([behav_logps[j] for j in range(len(chunks))]), mask),
     }

@@ -205,14 +205,13 @@ def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: 
     loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
-        log_old_over_new = old_logps - logps
         clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0), (ratio > upper) & (A > 0)
         group_of_c = torch.nn.functional.one_hot(c, args.num_generations + 1).float().T  # (k + 1, B)
         stats = {
             "ratio": ratio[m].sum(),
             "clip_low": clip_low[m].sum(),  # the clip binds from below
             "clip_high": clip_high[m].sum(),  # the clip binds from above (at the adaptive bound)
-            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (r - 1) - log r
             "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
             # token sums by c, the number of correct completions in the group (c = 0..k)
             "tokens_by_c": group_of_c @ mask.sum(-1).float(),

@@ -177,14 +177,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
-        log_old_over_new = old_logps - logps
         clip_low = (ratio < 1 - args.eps_low) & (A < 0)  # the clip binds from below
         clip_high = (ratio > 1 + args.eps_high) & (A > 0)  # the clip binds from above
         stats = {
             "ratio": ratio[m].sum(),
             "clip_low": clip_low[m].sum(),
             "clip_high": clip_high[m].sum(),
-            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (r - 1) - log r
             "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
         }
         if turn_ids is not None:

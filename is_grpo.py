@@ -120,7 +120,8 @@ class Args:
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
     sigma_init: float = 0.5
-    """sigma_hat of a prompt never drawn (0.5 is the largest std of a reward in [0, 1])"""
+    """sigma_hat of a prompt never drawn: an optimistic prior, the std of a half-right binary group
+    (0.5 as a population std; the unbiased std used here reaches 0.5 sqrt(G / (G - 1)), 0.535 at G = 8)"""
     sigma_floor: float = 0.05
     """smallest sigma_hat, so that all-equal prompts are still drawn now and then"""
     sigma_decay: float = 0.5
@@ -192,8 +193,14 @@ def prompt_probs(sigma_hat: np.ndarray, args: Args) -> np.ndarray:
 
 
 def update_sigma(sigma_hat: np.ndarray, chosen: np.ndarray, group_std: np.ndarray, decay: float) -> None:
-    """Running estimate of each drawn prompt's reward std (in place; a prompt drawn twice takes its last group)."""
-    for x, std in zip(chosen, group_std):
+    """Running estimate of each drawn prompt's reward std, in place: one update per distinct prompt,
+
+        sigma_hat_x <- decay * sigma_hat_x + (1 - decay) * mean of the stds of x's groups in this batch
+
+    (a prompt drawn m times in a batch gets one update, with its m groups' mean std; a prompt's first
+    visit sets sigma_hat_x to that std)."""
+    for x in np.unique(chosen):
+        std = float(np.mean(group_std[chosen == x]))
         sigma_hat[x] = std if np.isnan(sigma_hat[x]) else decay * sigma_hat[x] + (1 - decay) * std
 
 
@@ -210,14 +217,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
-        log_old_over_new = old_logps - logps
         clip_low = (ratio < 1 - args.eps_low) & (A < 0)  # the clip binds from below
         clip_high = (ratio > 1 + args.eps_high) & (A > 0)  # the clip binds from above
         stats = {
             "ratio": ratio[m].sum(),
             "clip_low": clip_low[m].sum(),
             "clip_high": clip_high[m].sum(),
-            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (r - 1) - log r
             "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
         }
         if turn_ids is not None:

@@ -48,7 +48,7 @@ from torch import nn
 from common.checkpoint import GracefulStop, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
-from common.losses import masked_mean, masked_whiten
+from common.losses import kl_estimate, masked_mean, masked_whiten
 from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
 from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout
 from common.tasks import load_task
@@ -250,14 +250,13 @@ def ppo_loss(logps, old_logps, values, old_values, advantages, returns, entropy,
     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy_mean
     with torch.no_grad():
         m = mask.bool()
-        log_old_over_new = old_logps - logps
         stats = {
             "pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean,
             "ratio": ratio[m].sum(), "ratio_min": ratio[m].min(), "ratio_max": ratio[m].max(),
             "clip_low": ((ratio < 1 - args.cliprange) & (advantages < 0))[m].sum(),
             "clip_high": ((ratio > 1 + args.cliprange) & (advantages > 0))[m].sum(),
             "vf_clip": ((values - old_values).abs() > args.cliprange_value)[m].sum(),
-            "approx_kl": (torch.exp(log_old_over_new) - log_old_over_new - 1)[m].sum(),  # k3 of (pi_old || pi_theta)
+            "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (r - 1) - log r
             "tokens": m.sum(),
         }
     return loss, stats

@@ -55,14 +55,19 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return torch.where(mask.bool(), whitened, x)
 
 
-def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's notes),
-    with log_r = log pi_ref - log pi_theta:
-      k1 = -log_r               unbiased, high variance, can be negative
-      k2 = log_r^2 / 2          biased, low variance
-      k3 = exp(log_r) - log_r - 1   unbiased, low variance, always >= 0 (GRPO's choice)
+def kl_estimate(logp: torch.Tensor, logq: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(p || q) from tokens sampled from p, given log p and log q of each
+    sampled token (Schulman's notes). With log_r = log q - log p, i.e. r = q / p:
+      k1 = -log_r                   unbiased, high variance, can be negative
+      k2 = log_r^2 / 2              biased, low variance
+      k3 = (r - 1) - log_r          unbiased (E_p[r] = 1), low variance, always >= 0 (GRPO's choice)
+    The first argument is the distribution the tokens came from. GRPO's penalty KL(pi_theta || pi_ref)
+    is kl_estimate(logps, ref_logps); the logged policy/approx_kl, KL(pi_old || pi_theta) over tokens
+    sampled from pi_old, is kl_estimate(old_logps, logps) (CleanRL's (r - 1) - log r with
+    r = pi_theta / pi_old). Swapping the arguments does not estimate the reverse KL: E_p[1/r - 1 + log r]
+    is chi^2(p || q) - KL(p || q).
     """
-    log_r = ref_logps - logps
+    log_r = logq - logp
     if estimator == "k1":
         return -log_r
     if estimator == "k2":

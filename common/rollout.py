@@ -87,6 +87,19 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token y = min{v : cdf(v) > u * cdf(V)} of each row of log-probs (B, V), u (B, 1) in [0, 1].
+
+    The cumulative sum of float32 probabilities can end a little above or below 1, and a float32 u can
+    round up to 1.0: scaling u by the row's total and keeping it strictly below that total means the
+    token found always has cdf(y) > cdf(y - 1), a non-zero probability; never, as a plain clamp to the
+    last id would give, a token of probability 0."""
+    cdf = logp.exp().cumsum(-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x.contiguous(), right=True)
+
+
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
            pad_id: int, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,9 +118,8 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
         logp = torch.log_softmax(logits[:, -1].float() / (temperature or 1.0), dim=-1)
         if temperature == 0:
             token = logp.argmax(-1, keepdim=True)
-        else:  # inverse CDF: the first token whose cumulative probability exceeds u
-            cdf = logp.exp().cumsum(-1)
-            token = torch.searchsorted(cdf, uniforms[:, t : t + 1].contiguous(), right=True).clamp(max=cdf.shape[-1] - 1)
+        else:
+            token = inverse_cdf(logp, uniforms[:, t : t + 1])
         token_logp = logp.gather(-1, token)
         tokens.append(torch.where(done[:, None], pad_id, token))
         logprobs.append(torch.where(done[:, None], 0.0, token_logp))

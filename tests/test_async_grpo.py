@@ -22,7 +22,7 @@ def small_args(tmp_path, **overrides) -> async_grpo.Args:
 
 
 def loss_args(**overrides) -> async_grpo.Args:
-    return async_grpo.Args(beta=0.0, loss_agg="token-mean", max_new_tokens=4, **overrides)
+    return async_grpo.Args(**{"beta": 0.0, "loss_agg": "token-mean", "max_new_tokens": 4, **overrides})
 
 
 def one_token_batch(log_w: list[float], log_u: list[float], advantages: list[float]):
@@ -52,9 +52,23 @@ def test_decoupled_clips_u_against_pi_old_and_weights_by_the_untruncated_behavio
     (grad,) = torch.autograd.grad(loss, logps)
     assert grad[:, 0].tolist() == pytest.approx([-3.0 / 2, 0.0])  # the clipped token gets no gradient
     assert stats["clip_high"].item() == 1
-    capped, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="decoupled", decoupled_cap=2.5),
-                                      2, mask.sum())
-    assert capped.item() == pytest.approx(-(2.5 * 1.0 + 2.5 * 1.2) / 2)
+
+
+def test_decoupled_cap_drops_the_token_where_tis_truncates_it():
+    """AReaL's behav_imp_weight_cap: a token with w > C gets weight 0 and stays in the denominator; tis
+    multiplies it by C. Where w <= C the two corrections are the same number."""
+    log_w = [torch.log(torch.tensor(w)).item() for w in (0.5, 1.5, 3.0)]
+    logps, old, behav, A, mask = one_token_batch(log_w=log_w, log_u=[0.0, 0.0, 0.0], advantages=[1.0, -1.0, 1.0])
+    decoupled, stats = async_grpo.async_loss(logps, old, behav, None, A, mask,
+                                             loss_args(correction="decoupled", decoupled_cap=2.0), 3, mask.sum())
+    tis, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="tis", tis_cap=2.0), 3, mask.sum())
+    assert decoupled.item() == pytest.approx(-(0.5 - 1.5 + 0.0) / 3)  # w = 3 > 2: dropped, the mean is still over 3
+    assert tis.item() == pytest.approx(-(0.5 - 1.5 + 2.0) / 3)  # w = 3 truncated to 2
+    (grad_decoupled,) = torch.autograd.grad(decoupled, logps)
+    (grad_tis,) = torch.autograd.grad(tis, logps)
+    assert grad_decoupled[:2].tolist() == grad_tis[:2].tolist()  # identical where w <= C
+    assert grad_decoupled[2].item() == 0.0 and grad_tis[2].item() == pytest.approx(-2.0 / 3)
+    assert stats["masked"].item() == 1
 
 
 def test_none_clips_the_ratio_to_the_behaviour_policy():
@@ -77,13 +91,55 @@ def test_m2po_masks_the_largest_second_moments_until_the_rest_is_within_the_thre
     assert async_grpo.m2po_mask(log_w, mask, 1.0).tolist() == [[1, 1, 1, 1, 0]]  # already within: nothing masked
 
 
-def test_m2po_loss_is_unclipped_r_times_a_over_the_kept_tokens_only():
+def test_m2po_loss_is_unclipped_r_times_a_over_all_tokens_with_the_masked_ones_zero():
+    """The paper's objective, 1 / sum_i |o_i| sum_it M_it r_it A_it: masked tokens keep their place in the
+    denominator, so masking one token does not up-weight the others."""
     logps, old, behav, A, mask = one_token_batch(log_w=[0.0, 0.1, 2.0], log_u=[0.7, 0.0, 0.0], advantages=[1.0, 1.0, 1.0])
-    keep = async_grpo.m2po_mask(old - behav, mask, 0.04)
-    assert keep[:, 0].tolist() == [1.0, 1.0, 0.0]
-    loss, _ = async_grpo.async_loss(logps, old, behav, None, A, keep, loss_args(correction="m2po"), 3, keep.sum())
-    r = torch.exp(torch.tensor([0.7, 0.1]))  # pi_theta / mu of the kept tokens; 2.01 is not clipped
-    assert loss.item() == pytest.approx(-r.sum().item() / 2)  # divided by the 2 kept tokens, not 3
+    keep = async_grpo.m2po_mask(logps.detach() - behav, mask, 0.04)
+    assert keep[:, 0].tolist() == [0.0, 1.0, 0.0]  # (log r)^2 = 0.49, 0.01, 4: the two largest go
+    loss, stats = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="m2po"), 3, mask.sum(), keep)
+    assert loss.item() == pytest.approx(-torch.exp(torch.tensor(0.1)).item() / 3)  # r = 1.105 kept; divided by 3 tokens
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert grad[[0, 2], 0].tolist() == [0.0, 0.0]
+    assert stats["masked"].item() == 2 and stats["clip_low"].item() == stats["clip_high"].item() == 0
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_m2po_with_every_token_masked_is_a_zero_loss_not_nan(loss_agg):
+    logps, old, behav, A, mask = one_token_batch(log_w=[1.0, -1.0, 2.0], log_u=[0.0, 0.0, 0.0], advantages=[1.0, -1.0, 1.0])
+    keep = async_grpo.m2po_mask(logps.detach() - behav, mask, 0.04)  # every (log r)^2 >= 1 > tau
+    assert keep.sum().item() == 0
+    loss, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="m2po", loss_agg=loss_agg), 3,
+                                    mask.sum(), keep)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert loss.item() == 0.0 and torch.all(grad == 0)
+
+
+def test_m2po_recomputes_its_mask_at_every_pass_from_the_current_policy(tiny_model, tokenizer, monkeypatch):
+    """With several passes the second pass's mask comes from (log pi_theta / mu)^2 at the weights after the
+    first step, not from pi_old's: on a batch sampled by the learner's own weights, log r is 0 on pass 1
+    (nothing masked) and not on pass 2 (tokens masked)."""
+    prompts = ["12>", "4321>", "98>", "555>"] * 4
+    batch = rollout(tiny_model, tokenizer, prompts, [(0, i) for i in range(16)], 6, 1.0, [tokenizer.eos_token_id], "cpu")
+    calls, m2po_mask = [], async_grpo.m2po_mask
+
+    def recording_mask(log_r, mask, threshold):
+        calls.append((log_r.clone(), m2po_mask(log_r, mask, threshold)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(async_grpo, "m2po_mask", recording_mask)
+    from accelerate import Accelerator
+
+    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
+    args = loss_args(correction="m2po", num_iterations=2, m2po_threshold=1e-3, max_grad_norm=1e9)
+    metrics = async_grpo.optimise(tiny_model, None, optimizer, Accelerator(cpu=True), batch, torch.tensor([1.0, -1.0] * 8),
+                                  True, args)
+    m = batch.completion_mask.bool()
+    assert len(calls) == 2  # one mask per pass
+    (log_r1, keep1), (log_r2, keep2) = calls
+    assert log_r1[m].abs().max() < 1e-5 and keep1[m].min() == 1  # pass 1: pi_theta = pi_old = mu
+    assert log_r2[m].abs().max() > 0.05 and keep2[m].min() == 0  # pass 2: the policy moved, tokens masked
+    assert metrics["offpolicy/mask_frac"] == pytest.approx((1 - keep2[m].mean().item()) / 2)
 
 
 # ---------------------------------------------------------------- staleness and weights

@@ -123,6 +123,23 @@ def test_sigma_estimate_is_a_running_average_of_the_group_stds():
     assert sigma_hat[0] == pytest.approx(0.3)
 
 
+def test_a_prompt_drawn_twice_in_a_batch_gets_one_update_with_its_groups_mean_std():
+    """Prompt 0 drawn twice (group stds 0.2 and 0.4) from sigma_hat 0.6: one update with 0.3 -> 0.45, whatever
+    the order of the draws (applying the average twice in a row would give 0.4 or 0.35)."""
+    for chosen, stds in (([0, 1, 0], [0.2, 0.1, 0.4]), ([0, 0, 1], [0.4, 0.2, 0.1])):
+        sigma_hat = np.array([0.6, np.nan])
+        is_grpo.update_sigma(sigma_hat, np.array(chosen), np.array(stds), decay=0.5)
+        assert sigma_hat.tolist() == pytest.approx([0.45, 0.1])
+
+
+def test_the_largest_unbiased_group_std_is_above_the_default_sigma_init():
+    """The words of --sigma-init: 0.5 is a half-right group's population std; the unbiased std reaches 0.707 at G = 2
+    and 0.535 at G = 8."""
+    for G, largest in ((2, 0.7071), (8, 0.5345)):
+        half_right = torch.tensor([1.0] * (G // 2) + [0.0] * (G - G // 2))
+        assert half_right.std().item() == pytest.approx(largest, abs=1e-4) and half_right.std(unbiased=False).item() == 0.5
+
+
 def test_is_grpo_draws_fewer_zero_variance_prompts_on_a_small_pool(tmp_path):
     """Once the pool has been seen, all-equal prompts (sigma_hat = 0 -> the floor) are drawn less."""
     is_grpo.main(small_args(is_grpo, tmp_path, steps=12, train_size=16, eval_every=0))

@@ -76,6 +76,26 @@ def test_kl_estimators_are_unbiased_or_not_as_the_notes_say():
     assert (kl_estimate(logp, logq, "k3") >= -1e-7).all()  # non-negative up to rounding
 
 
+# Two small categorical distributions: pi_old (the sampler) and pi_theta (the policy after an update).
+PI_OLD = torch.tensor([0.5, 0.3, 0.15, 0.05])
+PI_THETA = torch.tensor([0.7, 0.2, 0.05, 0.05])
+
+
+def test_k3_of_old_against_new_averages_to_the_exact_kl_over_samples_of_pi_old():
+    """policy/approx_kl: tokens come from pi_old, so kl_estimate(old, new) must estimate KL(pi_old || pi_theta).
+    The swapped form exp(old - new) - (old - new) - 1 averages chi^2 - KL instead: it is pinned here too."""
+    exact = (PI_OLD * (PI_OLD / PI_THETA).log()).sum().item()  # 0.118
+    tokens = torch.multinomial(PI_OLD, 400_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    old, new = PI_OLD.log()[tokens], PI_THETA.log()[tokens]
+    assert kl_estimate(old, new, "k3").mean().item() == pytest.approx(exact, rel=0.01)
+    # in expectation (a sum over the support, no sampling): exact to rounding
+    expected = (PI_OLD * kl_estimate(PI_OLD.log(), PI_THETA.log(), "k3")).sum().item()
+    assert expected == pytest.approx(exact, rel=1e-5)
+    chi2 = (PI_OLD**2 / PI_THETA).sum().item() - 1
+    swapped = (PI_OLD * kl_estimate(PI_THETA.log(), PI_OLD.log(), "k3")).sum().item()
+    assert swapped == pytest.approx(chi2 - exact, rel=1e-5) and swapped > exact + 0.05  # 0.189 against 0.118
+
+
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])  # two groups of 4
 
 
@@ -110,3 +130,36 @@ def test_masked_whiten_uses_only_valid_entries():
     w = masked_whiten(x, m)
     assert w[0, :3].tolist() == pytest.approx([-1.0, 0.0, 1.0], abs=1e-4)
     assert w[0, 3].item() == 100.0
+
+
+def approx_kl_stat(script: str, logps, old, mask) -> torch.Tensor:
+    """The token sum each script logs as policy/approx_kl, on one hand-made batch."""
+    import async_grpo
+    import gapo
+    import grpo
+    import is_grpo
+    import ppo
+
+    n, A, zeros = mask.shape[0], torch.ones(mask.shape[0]), torch.zeros_like(logps)
+    if script in ("grpo", "is_grpo"):
+        module = {"grpo": grpo, "is_grpo": is_grpo}[script]
+        _, stats = module.grpo_loss(logps, old, None, A, mask, module.Args(max_new_tokens=3), n, mask.sum())
+    elif script == "gapo":
+        _, stats = gapo.gapo_loss(logps, old, None, A, torch.full((n,), 0.2), torch.zeros(n, dtype=torch.long), mask,
+                                  gapo.Args(max_new_tokens=3, eps_low=0.2, eps_high_max=0.28), n, mask.sum())
+    elif script == "ppo":
+        _, stats = ppo.ppo_loss(logps, old, zeros, zeros, zeros, zeros, zeros, mask, ppo.Args(), mask.sum())
+    else:
+        _, stats = async_grpo.async_loss(logps, old, old, None, A, mask, async_grpo.Args(max_new_tokens=3), n, mask.sum())
+    return stats["approx_kl"]
+
+
+@pytest.mark.parametrize("script", ["grpo", "gapo", "is_grpo", "ppo", "async_grpo"])
+def test_every_script_logs_k3_of_kl_old_new_as_cleanrl_does(script):
+    """policy/approx_kl = sum over tokens of (r - 1) - log r, r = pi_theta / pi_old, masked tokens excluded."""
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.4, 0.3, 0.1]]))
+    logps = torch.log(torch.tensor([[0.25, 0.4, 0.9], [0.6, 0.3, 0.7]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the last token is padding
+    r = torch.tensor([0.5, 2.0, 1.0, 1.5, 1.0])
+    expected = ((r - 1) - r.log()).sum().item()  # 0.193 + 0.307 + 0 + 0.095 + 0
+    assert approx_kl_stat(script, logps, old, mask).item() == pytest.approx(expected, rel=1e-5)

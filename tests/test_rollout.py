@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE
 
-from common.rollout import completion_mask, encode_prompts, pass_at_k, rollout, row_uniforms, sample, token_logprobs
+from common.rollout import (completion_mask, encode_prompts, inverse_cdf, pass_at_k, rollout, row_uniforms, sample,
+                            token_logprobs)
 
 PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
 
@@ -99,3 +100,29 @@ def test_prompts_go_through_the_chat_template_when_the_tokenizer_has_one(tokeniz
     assert tokenizer.decode(ids[0]) == "q: 12> a: "
     plain, _ = encode_prompts(tokenizer, ["12>"], "cpu")
     assert tokenizer.decode(plain[0]) == "12>"
+
+
+def test_inverse_cdf_never_returns_a_token_of_probability_zero():
+    """Adversarial rows: the last ids have probability 0, the float32 cumulative sum ends short of 1 (or above
+    it), and u is 1.0 or the largest float32 below 1. A plain search clamped to the last id would return id
+    V - 1, of probability 0; the scaled search returns the last token with probability > 0."""
+    gen = torch.Generator().manual_seed(0)
+    found_short = 0
+    for _ in range(200):
+        logits = torch.randn(1, 997, generator=gen) * 3
+        logits[0, -3:] = -float("inf")  # three impossible tokens at the end of the vocabulary
+        logp = torch.log_softmax(logits, -1)
+        total = logp.exp().cumsum(-1)[0, -1].item()
+        found_short += total < 1.0
+        for u in (1.0, 1.0 - 2**-24, total, 0.0):
+            token = inverse_cdf(logp, torch.tensor([[u]])).item()
+            assert token < 997 - 3 and logp[0, token] > -float("inf"), (u, total, token)
+    assert found_short > 10  # the case the guard is for did occur
+
+
+def test_inverse_cdf_samples_the_distribution():
+    logp = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]))
+    u = torch.rand(200_000, 1, generator=torch.Generator().manual_seed(1))
+    tokens = inverse_cdf(logp.expand(200_000, 4), u)
+    freq = torch.bincount(tokens[:, 0], minlength=4).float() / 200_000
+    assert freq.tolist() == pytest.approx([0.1, 0.0, 0.6, 0.3], abs=0.005)

@@ -53,11 +53,11 @@ import tyro
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from common.checkpoint import GracefulStop, find_checkpoint, load_state, run_dir_of, save_checkpoint
+from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model
+from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, pure_dtype_warning, resolve_model
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, rollout, token_logprobs
 from common.tasks import load_task
@@ -88,7 +88,12 @@ class Args:
     eval_data_path: str | None = None
     """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype the models are loaded in"""
+    """compute dtype; bfloat16 = mixed precision: float32 weights and AdamW state, bf16 matrix products (autocast)"""
+    pure_dtype: bool = False
+    """opt-in: hold the trained weights and AdamW state in --dtype itself (no float32 master copy; at small
+    learning rates most bf16 steps round away - a warning says how many)"""
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """also save the final policy in this dtype to <run>/export (checkpoints keep float32 weights: resume is exact)"""
     trust_remote_code: bool = False
     """let transformers run code shipped with a hub model"""
     # ---------------------------------------------------------------- rollout
@@ -150,7 +155,7 @@ class Args:
 
 
 # Flags that may differ between a run and its resumption.
-RESUMABLE = {"resume", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
 
 
 def check_args(args: Args, num_processes: int) -> None:
@@ -174,6 +179,9 @@ def check_args(args: Args, num_processes: int) -> None:
     check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
     check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
           "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
+    check(args.dtype != "float16", "--dtype float16 is not supported: fp16 training needs loss scaling, which postrl does "
+                                   "not implement; use --dtype bfloat16 (GPUs from Ampere on, and CPUs) or float32")
+    check(not args.pure_dtype or args.dtype != "float32", "--pure-dtype needs --dtype bfloat16 (float32 weights are already full precision)")
     check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
     check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
 
@@ -306,7 +314,9 @@ def main(args: Args) -> None:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
-    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code)
+    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code, args.pure_dtype)
+    if args.pure_dtype:
+        print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
     ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -408,6 +418,8 @@ def main(args: Args) -> None:
     if writer:
         writer.close()
         print(f"run: {run_dir}")
+        if args.export_dtype:  # a copy in the serving dtype; the checkpoints stay float32
+            print(f"export: {export_model(run_dir, accelerator.unwrap_model(policy), tokenizer, args.export_dtype)}")
         for row in read_metrics(run_dir):
             if row["step"] in (0, args.steps):
                 print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "

@@ -37,6 +37,21 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, extra
     return final
 
 
+def export_model(run_dir: Path, model, tokenizer, dtype: str) -> Path:
+    """The final policy cast to `dtype` (say bfloat16, for serving) in <run_dir>/export, written like a
+    checkpoint (temporary directory, then renamed). Checkpoints themselves keep the float32 weights, so
+    that a resumed run continues exactly; this is a copy for use, not for resuming."""
+    from common.models import DTYPES
+
+    final, tmp = Path(run_dir) / "export", Path(run_dir) / "export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(DTYPES[dtype]).save_pretrained(tmp)  # the run is over: casting in place saves a copy's memory
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
 def find_checkpoint(path: str) -> Path:
     """A checkpoint directory, or the latest complete checkpoint of a run directory."""
     p = Path(path)

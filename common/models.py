@@ -1,13 +1,22 @@
-"""Loading the policy, the reference and the tokenizer, from a hub id or a local directory.
+"""Loading the policy, the reference and the tokenizer, from a hub id or a local directory; precision.
 
 `--model embedded` (the default) means the tiny warm-started model shipped for the embedded task
 (common/weights/<task>/, rebuilt by `python -m common.embedded`); it loads through the same
 `from_pretrained` path as any hub model.
+
+Precision (--dtype): float32, or bfloat16 mixed precision as TRL, verl and accelerate users know it:
+the trained weights stay float32 (AdamW's master copy; its moments are float32 too) and every forward
+runs under torch.autocast(bfloat16), so the matrix products are bf16 while log-softmax and the losses
+are computed in float32 (common/rollout.py casts logits up). An update of lr 1e-6 is below half a bf16
+ulp of nearly every weight, so training the bf16 weights themselves (--pure-dtype, opt-in) silently
+drops it; pure_dtype_warning says how much. The frozen reference needs no master copy: its weights are
+held in bf16, under the same autocast.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import MethodType
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -57,10 +66,43 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tokenizer
 
 
-def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+def autocast_forward(model, dtype: str):
+    """Run every forward of `model` under torch.autocast(dtype) on the device its weights are on (a no-op
+    for float32). Patched on the instance, as accelerate's mixed precision does, so that sampling,
+    training, evaluation and DDP or adapter wrappers all go through it."""
+    if dtype == "float32":
+        return model
+    forward = type(model).forward
+
+    def forward_in_dtype(self, *args, **kwargs):
+        with torch.autocast(device_type=next(self.parameters()).device.type, dtype=DTYPES[dtype]):
+            return forward(self, *args, **kwargs)
+
+    model.forward = MethodType(forward_in_dtype, model)
+    return model
 
 
+def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False, pure: bool = False):
+    """A model to train: float32 weights, forwards in `dtype` (mixed precision); with pure=True the
+    weights themselves in `dtype` (no float32 master copy)."""
+    weights = DTYPES[dtype] if pure else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weights, trust_remote_code=trust_remote_code)
+    return autocast_forward(model, dtype)
+
+
+def pure_dtype_warning(model, lr: float, dtype: str) -> str:
+    """The share of matrix weights for which an AdamW step (about lr per weight) is below half a ulp of
+    the weight's own dtype, so rounds back to the same value: measured on the loaded weights."""
+    below = total = 0
+    for p in model.parameters():
+        if p.dim() == 2:
+            w = p.detach().abs().float()
+            half_ulp = torch.finfo(p.dtype).eps / 2 * torch.exp2(torch.floor(torch.log2(w)))  # eps = ulp of 1.0
+            below += (lr < half_ulp).sum().item()
+            total += w.numel()
+    return (f"warning: --pure-dtype: at --lr {lr:g} an AdamW step (about lr per weight) is below half a {dtype} ulp for "
+            f"{100 * below / max(total, 1):.1f} % of the matrix weights, which then do not change at all. Without "
+            f"--pure-dtype the weights and AdamW state stay float32 and every step counts.")
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS
     (chat models often end a turn with a token other than the tokenizer's EOS)."""
@@ -71,7 +113,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def load_reference(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes)."""
-    ref = load_model(name_or_path, dtype, trust_remote_code).eval()
+    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes): its
+    weights in `dtype` (frozen weights need no float32 master copy), forwards under the same autocast."""
+    ref = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    ref = autocast_forward(ref, dtype).eval()
     ref.requires_grad_(False)
     return ref

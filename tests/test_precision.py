@@ -1,0 +1,111 @@
+"""Precision: --dtype bfloat16 is mixed precision (float32 master weights and AdamW state, bf16 matrix
+products), so a small step counts; pure bf16 only by --pure-dtype, with a measured warning."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import latest_weights, small_args
+
+import grpo
+from common.cli import ConfigError
+from common.losses import group_advantages
+from common.models import load_model, pure_dtype_warning, resolve_model
+from common.rollout import rollout, token_logprobs
+from common.tasks import load_task
+
+EMBEDDED = resolve_model("embedded", "reverse")
+
+
+@pytest.fixture(scope="module")
+def batch_and_advantages(tokenizer):
+    """One GRPO batch of the embedded job (32 prompts x 8), sampled in float32, and its advantages."""
+    task = load_task("reverse")
+    model = load_model(EMBEDDED)
+    prompts = [p for p in task.train["prompt"][:32] for _ in range(8)]
+    answers = [a for a in task.train["answer"][:32] for _ in range(8)]
+    batch = rollout(model, tokenizer, prompts, [(0, i) for i in range(256)], 8, 1.0, [tokenizer.eos_token_id], "cpu")
+    return batch, group_advantages(torch.tensor(task.reward(batch.texts, answers)), 8)
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps the gradient it stepped on (matrix weights, one float32 vector)."""
+
+    def step(self, closure=None):
+        self.gradient = torch.cat([p.grad.float().flatten() for g in self.param_groups for p in g["params"] if p.dim() == 2])
+        return super().step(closure)
+
+
+def one_adamw_step(dtype: str, pure: bool, batch, advantages, lr: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient and the change of every matrix weight in one AdamW step of grpo.py's optimise."""
+    policy = load_model(EMBEDDED, dtype, pure=pure)
+    before = torch.cat([p.detach().float().flatten() for p in policy.parameters() if p.dim() == 2])
+    optimizer = RecordingAdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    grpo.optimise(policy, None, optimizer, Accelerator(cpu=True), batch, advantages, grpo.Args(beta=0.0, max_new_tokens=8))
+    after = torch.cat([p.detach().float().flatten() for p in policy.parameters() if p.dim() == 2])
+    return optimizer.gradient, after - before
+
+
+def test_bf16_mixed_precision_takes_a_1e6_step_as_float32_does_and_pure_bf16_loses_it(batch_and_advantages):
+    batch, advantages = batch_and_advantages
+    fp32_grad, fp32 = one_adamw_step("float32", False, batch, advantages)
+    mixed_grad, mixed = one_adamw_step("bfloat16", False, batch, advantages)
+    _, pure = one_adamw_step("bfloat16", True, batch, advantages)
+    cosine = torch.nn.functional.cosine_similarity
+    moved = fp32 != 0  # the weights the float32 step moves (embedding rows of unused characters get no gradient)
+    assert moved.float().mean() > 0.5
+    assert (mixed[moved] != 0).float().mean() >= 0.99
+    assert cosine(mixed_grad, fp32_grad, dim=0) >= 0.999  # bf16 products, float32 accumulation: the same gradient
+    # AdamW's first step is about lr * sign(g): where |g| is near zero, bf16 noise flips the sign (0.5 % of the
+    # weights here), which costs the update's cosine more than the gradient's
+    assert cosine(mixed, fp32, dim=0) >= 0.98
+    assert (pure[moved] != 0).float().mean() < 0.05  # the defect --pure-dtype opts into: most steps round away
+
+
+def test_the_pure_dtype_warning_measures_the_share_of_weights_a_step_cannot_move():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1000, 1000, bias=False).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    assert "98.1 % of the matrix weights" in pure_dtype_warning(layer, 1e-6, "bfloat16")
+    # and what it predicts is what an AdamW step does: 10 steps at lr 1e-6 move about 2 % of the weights
+    w0 = layer.weight.detach().clone()
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6, weight_decay=0.0)
+    for _ in range(10):
+        layer(torch.randn(8, 1000, dtype=torch.bfloat16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert (layer.weight != w0).float().mean().item() == pytest.approx(0.019, abs=0.01)
+
+
+def test_sampler_and_training_forward_agree_under_bf16(tokenizer):
+    """The behaviour log-probs recorded while sampling (KV cache, one token at a time) and the training forward
+    (the whole sequence at once) under bf16 autocast: their first-pass ratio is 1 to within 1e-2."""
+    model = load_model(EMBEDDED, "bfloat16")
+    prompts = [p for p in load_task("reverse").test["prompt"][:16] for _ in range(4)]
+    out = rollout(model, tokenizer, prompts, [(1, i) for i in range(64)], 8, 1.0, [tokenizer.eos_token_id], "cpu")
+    with torch.no_grad():
+        logps, _ = token_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    m = out.completion_mask.bool()
+    ratio = torch.exp(logps[m] - out.logprobs[m])
+    assert abs(ratio.mean().item() - 1) < 1e-2 and ratio.max().item() < 1.1
+
+
+def test_checkpoints_of_a_bf16_run_hold_float32_weights_and_the_export_bf16(tmp_path):
+    grpo.main(small_args(grpo, tmp_path, steps=2, dtype="bfloat16", export_dtype="bfloat16", eval_every=0))
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = latest_weights(tmp_path / "run")  # loads in the stored dtype
+    assert {p.dtype for p in checkpoint.parameters()} == {torch.float32}
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export", dtype="auto")
+    assert {p.dtype for p in export.parameters()} == {torch.bfloat16}
+    for a, b in zip(checkpoint.parameters(), export.parameters()):
+        assert torch.equal(a.detach().to(torch.bfloat16), b.detach())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dtype="float16"), "--dtype float16 is not supported: fp16 training needs loss scaling"),
+    (dict(pure_dtype=True), "--pure-dtype needs --dtype bfloat16"),
+])
+def test_unsupported_precision_is_refused_before_a_model_is_built(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(ConfigError, match=message):
+        grpo.main(small_args(grpo, tmp_path, **overrides))

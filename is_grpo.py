@@ -304,7 +304,7 @@ def main(args: Args) -> None:
     task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
-    model_path = resolve_model(args.model, args.task)
+    model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume) if args.resume else None
     if checkpoint is not None:
@@ -317,7 +317,7 @@ def main(args: Args) -> None:
     policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code, args.pure_dtype)
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
-    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.beta > 0 else None
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code, args.pure_dtype).to(accelerator.device) if args.beta > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)

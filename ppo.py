@@ -329,7 +329,7 @@ def main(args: Args) -> None:
                             "would have to skip the environment's tokens); use grpo.py, gapo.py, is_grpo.py or async_grpo.py")
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
-    model_path = resolve_model(args.model, args.task)
+    model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume) if args.resume else None
     if checkpoint is not None:
@@ -344,7 +344,7 @@ def main(args: Args) -> None:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
     critic = load_model(model_path, args.dtype, args.trust_remote_code, args.pure_dtype) if args.critic == "separate" else None
     model = ActorCritic(policy, critic)
-    ref = load_reference(model_path, args.dtype, args.trust_remote_code).to(accelerator.device) if args.kl_coef > 0 else None
+    ref = load_reference(model_path, args.dtype, args.trust_remote_code, args.pure_dtype).to(accelerator.device) if args.kl_coef > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)

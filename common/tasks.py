@@ -46,6 +46,7 @@ class Task:
     reward: Callable[[list[str], list[str]], list[float]] | None  # None for a multi-turn task: its environment rewards
     max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
     env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
+    formatted: Callable[[list[str]], list[bool]] | None = None  # whether each completion gives its answer in the task's format
 
     def envs(self, answers: list[str]) -> list | None:
         """One environment per row for a multi-turn task; None for a single-turn one."""
@@ -219,6 +220,11 @@ def extract_number(text: str) -> Decimal | None:
         return None
 
 
+def gsm8k_formatted(completions: list[str]) -> list[bool]:
+    """Whether each completion marks its final answer as GSM8K does: a number after the last '####'."""
+    return ["####" in c and _NUMBER.search(c.rsplit("####", 1)[1]) is not None for c in completions]
+
+
 def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
     rewards = []
     for c, a in zip(completions, answers):
@@ -288,7 +294,8 @@ def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int)
             if held_out == 0:
                 raise ConfigError(f"--data-path {data_path}: needs at least 2 rows, or pass --eval-data-path")
             train, test = train[:-held_out], train[-held_out:]
-    return Task("gsm8k", Dataset.from_list(train), Dataset.from_list(test), gsm8k_reward, max_new_tokens=256)
+    return Task("gsm8k", Dataset.from_list(train), Dataset.from_list(test), gsm8k_reward, max_new_tokens=256,
+                formatted=gsm8k_formatted)
 
 
 def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128,

@@ -107,7 +107,7 @@ def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@k", "eval/greedy", "eval/reward_mean"}
+    assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@k", "eval/greedy", "eval/reward_mean", "eval/mean_length"}
     for key in ("reward/mean", "reward/std", "accuracy/train", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_frac", "policy/entropy", "policy/approx_kl", "policy/clip_frac_low",
                 "policy/clip_frac_high", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",

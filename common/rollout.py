@@ -88,15 +88,16 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
 
 
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token y = min{v : cdf(v) > u * cdf(V)} of each row of log-probs (B, V), u (B, 1) in [0, 1].
+    """Token y = min{v : cdf(v) > u} of each row of log-probs (B, V), u (B, 1) in [0, 1].
 
-    The cumulative sum of float32 probabilities can end a little above or below 1, and a float32 u can
-    round up to 1.0: scaling u by the row's total and keeping it strictly below that total means the
-    token found always has cdf(y) > cdf(y - 1), a non-zero probability; never, as a plain clamp to the
-    last id would give, a token of probability 0."""
+    The float32 cumulative sum can end a little below 1, and a float32 u can round up to 1.0; a search
+    clamped to the last id would then return id V - 1 whatever its probability (0 included). Here u is
+    kept strictly below the row's total, so the token found always has cdf(y) > cdf(y - 1): a non-zero
+    probability (the missing mass, about 1e-7, goes to the last token that has any). Every other draw is
+    the plain inverse CDF, bit for bit."""
     cdf = logp.exp().cumsum(-1)
     total = cdf[:, -1:]
-    x = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    x = torch.minimum(u.to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x.contiguous(), right=True)
 
 

@@ -111,7 +111,15 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"  # transformers 5 renamed it
     prefill = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
+    # each distinct prompt is run once (a group repeats its prompt G times); every row then gets its prompt's cache
+    distinct, rows = torch.unique(torch.cat([prompt_ids, mask], dim=1), dim=0, return_inverse=True)
+    if len(distinct) < B:
+        first = torch.full((len(distinct),), B, device=rows.device).scatter_reduce(0, rows, torch.arange(B, device=rows.device), "amin")
+        logits, cache = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
+        logits = logits[rows]
+        cache.reorder_cache(rows)  # index_select along the batch: row b takes the cache of prompt rows[b]
+    else:
+        logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs = [], []

@@ -61,7 +61,8 @@ from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_
 from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, pure_dtype_warning, resolve_model
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
+                           trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import Rollout, evaluate, rollout, token_logprobs
 from common.tasks import load_task
@@ -98,6 +99,19 @@ class Args:
     learning rates most bf16 steps round away - a warning says how many)"""
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """also save the final policy in this dtype to <run>/export (checkpoints keep float32 weights: resume is exact)"""
+    # ---------------------------------------------------------------- memory
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of keeping them (less memory, about a third more compute)"""
+    lora_r: int = 0
+    """LoRA rank; > 0 freezes the weights and trains adapters only, and pi_ref is the base with adapters off (no copy)"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: the adapter adds (alpha / r) B A x"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names that get adapters (e.g. q_proj,v_proj), or all-linear"""
+    generation_batch_size: int | None = None
+    """sample (and evaluate) in micro-batches of this many rows (default: all at once); the tokens are the same"""
     trust_remote_code: bool = False
     """let transformers run code shipped with a hub model"""
     # ---------------------------------------------------------------- rollout
@@ -214,6 +228,9 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.dtype != "float16", "--dtype float16 is not supported: fp16 training needs loss scaling, which postrl does "
                                    "not implement; use --dtype bfloat16 (GPUs from Ampere on, and CPUs) or float32")
     check(not args.pure_dtype or args.dtype != "float32", "--pure-dtype needs --dtype bfloat16 (float32 weights are already full precision)")
+    check(args.lora_r >= 0 and args.lora_alpha > 0 and 0 <= args.lora_dropout < 1,
+          "--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
+    check(args.generation_batch_size is None or args.generation_batch_size >= 1, "--generation-batch-size must be >= 1")
     check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
     check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
 
@@ -248,17 +265,31 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     answers = [a for a in rows["answer"] for _ in range(G)]
     keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
     out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
-                  task.envs(answers))  # envs: multi-turn tasks only
+                  task.envs(answers), args.generation_batch_size)  # envs: multi-turn tasks only
     rewards, successes = (torch.tensor(x, device=device).float() for x in task.score(out, answers))
     return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
-    """A private copy of the weights: what the generator loads can never be half-updated."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A private copy of the trained weights (all of them, or a LoRA policy's adapters): what the generator
+    loads can never be half-updated."""
+    state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the copies are complete before another thread's stream reads them
     return state
+
+
+def load_trained(model, state: dict) -> None:
+    """Load a snapshot's trained weights; the frozen ones (LoRA's base) are shared and stay as they are."""
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+    assert not unexpected, f"the snapshot does not fit the generator's model: {unexpected[:3]}"
+
+
+def generator_copy(policy):
+    """The generator's own model: a copy of the trained weights that shares every frozen one (with LoRA, the
+    whole base model: only the adapters are held twice)."""
+    frozen = {id(p): p for p in policy.parameters() if not p.requires_grad}
+    return copy.deepcopy(policy, frozen).eval()
 
 
 class WeightBoard:
@@ -307,7 +338,7 @@ class GeneratorThread:
                 waited += time.perf_counter() - t0
                 with torch.cuda.stream(stream) if stream else nullcontext():  # on a GPU, its own stream
                     if latest != version:  # between batches only: a batch is sampled by one set of weights
-                        self.model.load_state_dict(state)
+                        load_trained(self.model, state)
                         version = latest
                     batch = self.make_batch(self.model, index, version)
                 if stream:
@@ -362,7 +393,7 @@ class EmulatedGenerator:
     def get(self, step: int) -> Batch:
         version, state = self.lagged[0]
         assert version == max(step - 1 - self.args.max_staleness, 0), (version, step)
-        self.model.load_state_dict(state)
+        load_trained(self.model, state)
         return self.make_batch(self.model, step, version)
 
 
@@ -531,12 +562,12 @@ def main(args: Args) -> None:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
-    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code, args.pure_dtype)
+    policy = load_policy(model_path, checkpoint, args)  # dtype, LoRA adapters, gradient checkpointing
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
-    ref = load_reference(model_path, args.dtype, args.trust_remote_code, args.pure_dtype).to(accelerator.device) if args.beta > 0 else None
+    ref = load_reference(model_path, args, policy).to(accelerator.device) if args.beta > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     saved = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
     start = saved["step"] + 1
@@ -547,7 +578,7 @@ def main(args: Args) -> None:
     def make_batch(model, index, version):
         return generate(model, tokenizer, task, args, index, version, eos_ids, device)
 
-    sampler = copy.deepcopy(policy).eval()
+    sampler = generator_copy(policy)
     version = max(start - 1, 0)
     if args.mode == "emulated":
         lagged = saved["extra"].get("lagged") or {version: snapshot(policy)}
@@ -561,7 +592,7 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(policy, tokenizer, task, args.eval_samples, args.eval_k, args.max_new_tokens,
-                        args.temperature, eos_ids, device, args.seed)
+                        args.temperature, eos_ids, device, args.seed, batch_size=args.generation_batch_size)
 
     stop = GracefulStop()
     bar = progress_bar(args.steps, initial=max(start - 1, 0), desc=run_dir.name)

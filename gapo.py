@@ -52,7 +52,8 @@ from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_
 from common.cli import check, run
 from common.logging import MetricsWriter, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, pure_dtype_warning, resolve_model
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
+                           trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, rollout, token_logprobs
 from common.tasks import load_task
@@ -89,6 +90,19 @@ class Args:
     learning rates most bf16 steps round away - a warning says how many)"""
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """also save the final policy in this dtype to <run>/export (checkpoints keep float32 weights: resume is exact)"""
+    # ---------------------------------------------------------------- memory
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass instead of keeping them (less memory, about a third more compute)"""
+    lora_r: int = 0
+    """LoRA rank; > 0 freezes the weights and trains adapters only, and pi_ref is the base with adapters off (no copy)"""
+    lora_alpha: float = 16.0
+    """LoRA scale alpha: the adapter adds (alpha / r) B A x"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input"""
+    lora_target_modules: str = "all-linear"
+    """comma-separated module names that get adapters (e.g. q_proj,v_proj), or all-linear"""
+    generation_batch_size: int | None = None
+    """sample (and evaluate) in micro-batches of this many rows (default: all at once); the tokens are the same"""
     trust_remote_code: bool = False
     """let transformers run code shipped with a hub model"""
     # ---------------------------------------------------------------- rollout
@@ -168,6 +182,9 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.dtype != "float16", "--dtype float16 is not supported: fp16 training needs loss scaling, which postrl does "
                                    "not implement; use --dtype bfloat16 (GPUs from Ampere on, and CPUs) or float32")
     check(not args.pure_dtype or args.dtype != "float32", "--pure-dtype needs --dtype bfloat16 (float32 weights are already full precision)")
+    check(args.lora_r >= 0 and args.lora_alpha > 0 and 0 <= args.lora_dropout < 1,
+          "--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
+    check(args.generation_batch_size is None or args.generation_batch_size >= 1, "--generation-batch-size must be >= 1")
     check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
     check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
 
@@ -314,12 +331,12 @@ def main(args: Args) -> None:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
-    policy = load_model(str(checkpoint or model_path), args.dtype, args.trust_remote_code, args.pure_dtype)
+    policy = load_policy(model_path, checkpoint, args)  # dtype, LoRA adapters, gradient checkpointing
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
-    ref = load_reference(model_path, args.dtype, args.trust_remote_code, args.pure_dtype).to(accelerator.device) if args.beta > 0 else None
+    ref = load_reference(model_path, args, policy).to(accelerator.device) if args.beta > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     start = load_state(checkpoint, optimizer)["step"] + 1 if checkpoint else 0
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -331,7 +348,7 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
-                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world)
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size)
 
     stop = GracefulStop()
     bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
@@ -351,7 +368,7 @@ def main(args: Args) -> None:
         # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device, task.envs(answers))  # envs: multi-turn tasks only
+                        args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size)  # envs: multi-turn
         # ---- 3. score, 4. group-relative advantages over the global batch
         scored = task.score(batch, answers)  # (rewards, successes)
         rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)

@@ -39,12 +39,14 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, extra
 
 def export_model(run_dir: Path, model, tokenizer, dtype: str) -> Path:
     """The final policy cast to `dtype` (say bfloat16, for serving) in <run_dir>/export, written like a
-    checkpoint (temporary directory, then renamed). Checkpoints themselves keep the float32 weights, so
+    checkpoint (temporary directory, then renamed); a LoRA policy is merged into its base first. Checkpoints themselves keep the float32 weights, so
     that a resumed run continues exactly; this is a copy for use, not for resuming."""
     from common.models import DTYPES
 
     final, tmp = Path(run_dir) / "export", Path(run_dir) / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    if hasattr(model, "merge_and_unload"):  # LoRA: W + (alpha / r) B A folded into the weights, a plain model
+        model = model.merge_and_unload()
     model.to(DTYPES[dtype]).save_pretrained(tmp)  # the run is over: casting in place saves a copy's memory
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(final, ignore_errors=True)

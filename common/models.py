@@ -162,6 +162,53 @@ def pure_dtype_warning(model, lr: float, dtype: str) -> str:
     return (f"warning: --pure-dtype: at --lr {lr:g} an AdamW step (about lr per weight) is below half a {dtype} ulp for "
             f"{100 * below / max(total, 1):.1f} % of the matrix weights, which then do not change at all. Without "
             f"--pure-dtype the weights and AdamW state stay float32 and every step counts.")
+
+
+# ---------------------------------------------------------------- the trained policy: full weights or LoRA adapters
+def load_policy(model_path: str, checkpoint, args):
+    """The policy a script trains, from --model or from a checkpoint to resume, as the script's flags say:
+    --dtype and --pure-dtype (above), --gradient-checkpointing (activations recomputed in the backward pass
+    instead of kept), and --lora-r > 0: the weights frozen and low-rank adapters trained (peft),
+    W x + (alpha / r) B A x on --lora-target-modules. A LoRA checkpoint holds the adapters only."""
+    is_adapter = checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file()
+    model = load_model(str(model_path if is_adapter or checkpoint is None else checkpoint), args.dtype,
+                       args.trust_remote_code, args.pure_dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_r == 0:
+        return model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if is_adapter:
+        return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+    return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
+
+
+class AdapterDisabled:
+    """pi_ref of a LoRA policy: the policy itself with its adapters switched off, i.e. the frozen base
+    model, so no second copy of the weights is held. Called like a model (no gradient is asked of it)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def get_base_model(self):
+        return self.policy.get_base_model()
+
+    def to(self, device):
+        return self
+
+
+def trainable(model) -> list:
+    """The parameters an optimiser updates (all of them, or a LoRA policy's adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a completion: the tokenizer's EOS and the model's generation-config EOS
     (chat models often end a turn with a token other than the tokenizer's EOS)."""
@@ -171,12 +218,15 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def load_reference(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False, pure: bool = False):
-    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes), loaded
-    exactly as the policy is (same weights dtype, same autocast), so that the two compute the same numbers
-    and KL(pi_theta || pi_ref) starts at exactly 0. (Holding it in bf16 under a float32-master policy would
-    halve its memory, but measured on SmolLM2-135M-Instruct its KL at step 0 was then 1.9e-3: noise as
-    large as the KL a run builds up.)"""
-    ref = load_model(name_or_path, dtype, trust_remote_code, pure).eval()
+def load_reference(name_or_path: str, args, policy=None):
+    """The frozen reference policy pi_ref (always the initial model, also when the policy resumes). With
+    LoRA, the policy with its adapters disabled. Otherwise a second model loaded exactly as the policy is
+    (same weights dtype, same autocast), so that the two compute the same numbers and KL(pi_theta || pi_ref)
+    starts at exactly 0. (Holding it in bf16 under a float32-master policy would halve its memory, but
+    measured on SmolLM2-135M-Instruct its KL at step 0 was then 1.9e-3: noise as large as the KL a run
+    builds up.)"""
+    if args.lora_r > 0:
+        return AdapterDisabled(policy)
+    ref = load_model(name_or_path, args.dtype, args.trust_remote_code, args.pure_dtype).eval()
     ref.requires_grad_(False)
     return ref

@@ -77,8 +77,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[t
 
 
 def _accepts(model, name: str) -> bool:
-    """Whether the (possibly DDP-wrapped) model's forward takes this keyword."""
-    return name in inspect.signature(getattr(model, "module", model).forward).parameters
+    """Whether the model's forward takes this keyword (through DDP's and peft's wrappers)."""
+    model = getattr(model, "module", model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return name in inspect.signature(model.forward).parameters
 
 
 def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
@@ -142,9 +144,17 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
-            temperature: float, eos_ids: list[int], device, envs: list | None = None) -> Rollout:
+            temperature: float, eos_ids: list[int], device, envs: list | None = None,
+            batch_size: int | None = None) -> Rollout:
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
-    envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py."""
+    envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
+    batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
+    tokens are those of one pass."""
+    if batch_size is not None and len(prompts) > batch_size:
+        return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
+                                        max_new_tokens, temperature, eos_ids, device,
+                                        envs[i : i + batch_size] if envs is not None else None)
+                                for i in range(0, len(prompts), batch_size)], tokenizer.pad_token_id)
     if envs is not None:
         from common.multiturn import multi_turn_rollout  # (multiturn builds on this module)
 
@@ -159,6 +169,28 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     mask, finished = completion_mask(ids, eos_ids)
     texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
     return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs * mask, finished, texts)
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts of consecutive rows as one: prompts left-padded and completions right-padded to the longest."""
+    def pad(tensors, value, left=False):
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+                          for t in tensors])
+
+    def lists(name):
+        values = [getattr(p, name) for p in parts]
+        return None if values[0] is None else [x for v in values for x in v]
+
+    return Rollout(
+        pad([p.prompt_ids for p in parts], pad_id, left=True), pad([p.prompt_mask for p in parts], 0, left=True),
+        pad([p.completion_ids for p in parts], pad_id), pad([p.completion_mask for p in parts], 0),
+        pad([p.logprobs for p in parts], 0.0), torch.cat([p.finished for p in parts]), lists("texts"),
+        attention_mask=pad([p.attention_mask for p in parts], 0), rewards=lists("rewards"), successes=lists("successes"),
+        turn_rewards=lists("turn_rewards"), turn_texts=lists("turn_texts"),
+        turn_ids=pad([p.turn_ids for p in parts], -1) if parts[0].turn_ids is not None else None,
+        max_turns=max(p.max_turns for p in parts),
+    )
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool = False):
@@ -209,7 +241,7 @@ EVAL_KEY = 2**31 - 1  # the eval draws use keys (seed, EVAL_KEY, prompt, sample)
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temperature: float, eos_ids: list[int],
-             device, seed: int, rank: int = 0, world: int = 1) -> dict[str, float]:
+             device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None) -> dict[str, float]:
     """pass@1 and pass@k from n samples per held-out prompt at the sampling temperature (unbiased
     estimator), greedy accuracy, and mean sampled reward. Prompts are sharded over processes."""
     from accelerate.utils import gather_object
@@ -220,10 +252,10 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     repeated = [a for a in answers for _ in range(n)]
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
                       [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
-                      task.envs(repeated))
+                      task.envs(repeated), batch_size)
     rewards, successes = task.score(sampled, repeated)
     greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
-                     task.envs(answers))
+                     task.envs(answers), batch_size)
     _, greedy_successes = task.score(greedy, answers)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]

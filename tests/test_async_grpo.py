@@ -208,7 +208,6 @@ def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
 
     board = async_grpo.WeightBoard({}, 0)
     generator = async_grpo.GeneratorThread(torch.nn.Linear(1, 1), board, 1, args, make_batch, None)
-    generator.model.load_state_dict = lambda state: None
     generator.start()
     staleness, waits = [], []
     for step in range(1, 9):
@@ -257,7 +256,7 @@ def test_emulated_resume_restores_the_lagged_weights(tmp_path):
     ({"generator_threads": 0}, "--generator-threads must be >= 1"),
 ])
 def test_bad_input_is_refused_before_any_model_is_built(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr(async_grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(async_grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match=message):
         async_grpo.main(small_args(tmp_path, **overrides))
 

@@ -79,13 +79,13 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("overrides, message", BAD_INPUT)
 def test_bad_input_is_refused_before_any_model_is_built(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match=message):
         grpo.main(small_args(tmp_path, **overrides))
 
 
 def test_a_data_file_without_the_needed_fields_names_the_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     path = tmp_path / "data.jsonl"
     path.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "result": 4}\n')
     with pytest.raises(ConfigError, match=r"data.jsonl row 1: field 'answer'"):

@@ -164,6 +164,6 @@ def test_scripts_train_on_a_multi_turn_task_and_log_by_turn(tmp_path, script):
 
 
 def test_ppo_refuses_a_multi_turn_task_before_building_a_model(tmp_path, monkeypatch):
-    monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(ppo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match="--task chain-4 is multi-turn: ppo.py"):
         ppo.main(small_args(ppo, tmp_path, task="chain-4"))

@@ -120,7 +120,7 @@ def test_adaptive_kl_controller_raises_beta_when_kl_is_above_target(tmp_path):
     (dict(minibatches=100), "--minibatches must be in \\[1, 32\\]"),
 ])
 def test_ppo_refuses_bad_input_before_building_a_model(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr(ppo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(ppo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     args = {**PPO_SMALL, **overrides}
     with pytest.raises(ConfigError, match=message):
         ppo.main(small_args(ppo, tmp_path, **args))

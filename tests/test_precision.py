@@ -110,6 +110,6 @@ def test_a_bf16_run_starts_at_kl_ref_0_checkpoints_float32_weights_and_exports_b
     (dict(pure_dtype=True), "--pure-dtype needs --dtype bfloat16"),
 ])
 def test_unsupported_precision_is_refused_before_a_model_is_built(tmp_path, monkeypatch, overrides, message):
-    monkeypatch.setattr(grpo, "load_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match=message):
         grpo.main(small_args(grpo, tmp_path, **overrides))

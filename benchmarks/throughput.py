@@ -4,6 +4,8 @@ grpo.py, and how the cost of a step grows.
     pip install -e ".[bench]"                               # trl, matplotlib
     python benchmarks/throughput.py                         # compare, A B A B ...: ~6 minutes on 2 CPU cores
     python benchmarks/throughput.py --mode growth           # step time as P, G and T double: ~6 minutes
+    python benchmarks/throughput.py --mode real             # SmolLM2-135M-Instruct: grpo.py vs TRL, full and LoRA
+    python benchmarks/throughput.py --mode memory           # SmolLM2: peak memory and samples/s by option
 
 compare: every arm runs in its own child process (so its peak resident memory is its own), one at a
 time, in rounds: each round runs grpo.py, TRL, async_grpo.py --max-staleness 1 and 2 once, in that
@@ -15,6 +17,17 @@ batch. Each child runs --warmup steps and then --steps measured steps; reported 
 generation (sampling + scoring) and training seconds, samples/s and generated tokens/s over the
 measured steps, and the child's peak RSS. Medians and spreads over rounds; ratios are pair by pair
 (round i of one arm against round i of the other). Writes benchmarks/results/compare.md.
+
+real: compare's protocol on a real model: SmolLM2-135M-Instruct (`--model smollm2-135m-instruct`) on the
+offline word problems through the GSM8K path (chat template, GSM8K reward), --real-prompts x --real-generations
+completions of at most --real-max-new-tokens, float32 on a CPU (bf16 on a GPU with --real-dtype), beta 0.04, lr 1e-6,
+one update per batch; arms grpo, trl, and both with LoRA (r 16, alpha 32, all linear layers; TRL through its
+peft_config). Writes benchmarks/results/compare_real.md.
+
+memory: peak memory (RSS of each child on a CPU, torch's max allocated on a GPU) and samples/s of grpo.py on
+SmolLM2 as options are added one at a time: float32, bf16 mixed precision, + gradient checkpointing, + LoRA,
+and async_grpo.py K = 1 without and with LoRA; and the bytes per parameter each takes. Writes
+benchmarks/results/memory.md.
 
 growth: grpo.py step time (sampling + training) for prompts per step P, completions per prompt G and
 completion length T each doubling from (16, 8, 16), the others fixed. It runs a randomly initialised
@@ -49,8 +62,34 @@ NO_EVAL_NO_SAVE = ["--eval-every", "0", "--eval-prompts", "8", "--eval-samples",
 
 
 @dataclass
+class Work:
+    """What every arm of a comparison does per step."""
+    prompts: int = PROMPTS
+    generations: int = G
+    max_new: int = MAX_NEW
+    lr: float = LR
+    beta: float = BETA
+    model: str = "embedded"  # or a real model's short name; the task is then gsm8k on the word problems
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def flags(self) -> list[str]:
+        flags = ["--prompts-per-step", str(self.prompts), "--num-generations", str(self.generations), "--max-new-tokens",
+                 str(self.max_new), "--lr", str(self.lr), "--beta", str(self.beta), "--device", self.device, "--dtype", self.dtype]
+        if self.model != "embedded":
+            data = ROOT / "data" / "word_problems"
+            flags += ["--model", self.model, "--task", "gsm8k", "--data-path", str(data / "train.jsonl"),
+                      "--eval-data-path", str(data / "test.jsonl")]
+        return flags
+
+
+EMBEDDED_WORK = Work()
+LORA_FLAGS = ["--lora-r", "16", "--lora-alpha", "32"]
+
+
+@dataclass
 class Args:
-    mode: Literal["compare", "growth"] = "compare"
+    mode: Literal["compare", "growth", "real", "memory"] = "compare"
     rounds: int = 3
     """compare: A B A B rounds"""
     warmup: int = 3
@@ -59,6 +98,11 @@ class Args:
     """measured steps per child"""
     arms: list[str] = field(default_factory=lambda: ["grpo", "trl", "async_K1", "async_K2"])
     output_dir: str = "runs/bench"
+    real_prompts: int = 4
+    real_generations: int = 4
+    real_max_new_tokens: int = 64
+    real_dtype: str = "float32"
+    real_device: str = "cpu"
 
 
 # ---------------------------------------------------------------- children
@@ -72,46 +116,57 @@ def run_child(argv: list[str], env: dict | None = None) -> tuple[int, float]:
     return status, usage.ru_maxrss / 1024
 
 
-def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str]) -> list[dict]:
+def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str], work: Work = EMBEDDED_WORK) -> list[dict]:
     """Per-step seconds of generation and training, and generated tokens, from the script's metrics."""
-    flags = ["--steps", str(steps), *NO_EVAL_NO_SAVE, "--prompts-per-step", str(PROMPTS), "--num-generations", str(G),
-             "--max-new-tokens", str(MAX_NEW), "--lr", str(LR), "--beta", str(BETA), "--device", "cpu",
-             "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, *extra]
+    flags = ["--steps", str(steps), *NO_EVAL_NO_SAVE, *work.flags(), "--output-dir", str(run_dir.parent),
+             "--run-name", run_dir.name, *extra]
     _, rss = run_child([sys.executable, script, *flags])
     rows = [r for r in read_metrics(run_dir) if "time/train_s" in r]
     wait = "time/learner_wait_s" if script == "async_grpo.py" else "time/rollout_s"
-    return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": PROMPTS * G,
-             "tokens": r["throughput/tokens_per_s"] * (r[wait] + r["time/train_s"]), "rss_mb": rss} for r in rows]
+    return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": work.prompts * work.generations,
+             "tokens": r["throughput/tokens_per_s"] * (r[wait] + r["time/train_s"]), "rss_mb": rss,
+             "gpu_mb": r.get("memory/max_allocated_mb")} for r in rows]
 
 
 TRL_CHILD = r'''
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from common.models import load_tokenizer, resolve_model
 from common.tasks import load_task
 
-out, steps, prompts, G, max_new, lr, beta = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), float(sys.argv[8])
+out, steps, w, lora = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5] == "1"
+prompts, G = w["prompts"], w["generations"]
 torch.manual_seed(0)
-task = load_task("reverse")
-path = resolve_model("embedded", "reverse")
+if w["model"] == "embedded":
+    task, path = load_task("reverse"), resolve_model("embedded", "reverse")
+    train = task.train
+else:  # the GSM8K path: a chat model gets the chat template; TRL applies it to conversational prompts
+    data = sys.argv[1] + "/data/word_problems/"
+    task, path = load_task("gsm8k", data + "train.jsonl", data + "test.jsonl"), resolve_model(w["model"], "gsm8k")
+    train = task.train.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
 tokenizer = load_tokenizer(path)
-model = AutoModelForCausalLM.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+peft_config = None
+if lora:
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 
 def reward(completions, answer, **kwargs):
-    return task.reward(completions, answer)
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return task.reward(texts, answer)
 
 config = GRPOConfig(
     output_dir=out + "/trl", per_device_train_batch_size=prompts * G, gradient_accumulation_steps=1, num_generations=G,
-    max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0, learning_rate=lr, weight_decay=0.0,
-    lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=beta, loss_type="grpo", scale_rewards="group",
-    num_iterations=1, max_steps=steps, logging_steps=100000, save_strategy="no", report_to="none", use_cpu=True,
-    bf16=False, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    max_completion_length=w["max_new"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=w["lr"], weight_decay=0.0,
+    lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=w["beta"], loss_type="grpo", scale_rewards="group",
+    num_iterations=1, max_steps=steps, logging_steps=100000, save_strategy="no", report_to="none",
+    use_cpu=w["device"] == "cpu", bf16=w["dtype"] == "bfloat16", disable_tqdm=True, seed=0, dataloader_num_workers=0,
 )
-trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=task.train, processing_class=tokenizer)
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train, processing_class=tokenizer,
+                      peft_config=peft_config)
 timings, gen = [], {"s": 0.0, "tokens": 0}
 generate_and_score = trainer._generate_and_score_completions
 
@@ -127,9 +182,15 @@ trainer._generate_and_score_completions = timed
 class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kw):
         self.t0, gen["s"], gen["tokens"] = time.perf_counter(), 0.0, 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     def on_step_end(self, args, state, control, **kw):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         total = time.perf_counter() - self.t0
-        timings.append({"gen_s": gen["s"], "train_s": total - gen["s"], "samples": prompts * G, "tokens": gen["tokens"]})
+        gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        timings.append({"gen_s": gen["s"], "train_s": total - gen["s"], "samples": prompts * G, "tokens": gen["tokens"],
+                        "gpu_mb": gpu})
 
 trainer.add_callback(StepTimer())
 trainer.train()
@@ -137,26 +198,44 @@ json.dump(timings, open(out + "/steps.json", "w"))
 '''
 
 
-def trl_child(run_dir: Path, steps: int) -> list[dict]:
+def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool = False) -> list[dict]:
+    from dataclasses import asdict
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    _, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), str(PROMPTS), str(G), str(MAX_NEW),
-                        str(LR), str(BETA)])
+    _, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), json.dumps(asdict(work)),
+                        "1" if lora else "0"])
     return [{**r, "rss_mb": rss} for r in json.loads((run_dir / "steps.json").read_text())]
 
 
-ARMS = {
-    "grpo": lambda d, n: postrl_child("grpo.py", d, n, []),
-    "trl": trl_child,
-    "async_K1": lambda d, n: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"]),
-    "async_K2": lambda d, n: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"]),
+ARMS = {  # (run_dir, steps, work) -> per-step rows
+    "grpo": lambda d, n, w: postrl_child("grpo.py", d, n, [], w),
+    "trl": lambda d, n, w: trl_child(d, n, w),
+    "async_K1": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"], w),
+    "async_K2": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"], w),
+    "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),
+    "trl_lora": lambda d, n, w: trl_child(d, n, w, lora=True),
 }
+def memory_arms(dtype: str) -> dict[str, tuple[str, list[str]]]:
+    """label: (script, flags): the options one at a time, at --real-dtype, and the other precision."""
+    other = "bfloat16" if dtype == "float32" else "float32"
+    return {dtype: ("grpo.py", []), other: ("grpo.py", ["--dtype", other]),
+            f"{dtype} + gradient checkpointing": ("grpo.py", ["--gradient-checkpointing"]),
+            f"{dtype} + LoRA": ("grpo.py", LORA_FLAGS),
+            f"{dtype} + LoRA + gradient checkpointing": ("grpo.py", [*LORA_FLAGS, "--gradient-checkpointing"]),
+            f"async_grpo.py K = 1, {dtype}": ("async_grpo.py", ["--max-staleness", "1"]),
+            f"async_grpo.py K = 1, {dtype} + LoRA": ("async_grpo.py", ["--max-staleness", "1", *LORA_FLAGS])}
+
+
+def real_work(args: Args) -> Work:
+    return Work(prompts=args.real_prompts, generations=args.real_generations, max_new=args.real_max_new_tokens, lr=1e-6,
+                beta=0.04, model="smollm2-135m-instruct", dtype=args.real_dtype, device=args.real_device)
 
 
 def summarise(steps: list[dict]) -> dict:
     seconds = sum(s["gen_s"] + s["train_s"] for s in steps)
     return {"samples_per_s": sum(s["samples"] for s in steps) / seconds, "tokens_per_s": sum(s["tokens"] for s in steps) / seconds,
             "gen_s": statistics.mean(s["gen_s"] for s in steps), "train_s": statistics.mean(s["train_s"] for s in steps),
-            "rss_mb": steps[0]["rss_mb"]}
+            "rss_mb": steps[0]["rss_mb"], "gpu_mb": max((s.get("gpu_mb") or 0) for s in steps) or None}
 
 
 def med(values: list[float], fmt: str = ".3g") -> str:
@@ -164,29 +243,68 @@ def med(values: list[float], fmt: str = ".3g") -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
 
-def compare(args: Args) -> None:
+def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> None:
     results = {arm: [] for arm in args.arms}
     for i in range(args.rounds):
         for arm in args.arms:
             with tempfile.TemporaryDirectory() as tmp:
-                steps = ARMS[arm](Path(tmp) / "run", args.warmup + args.steps)[args.warmup:]
+                steps = ARMS[arm](Path(tmp) / "run", args.warmup + args.steps, work)[args.warmup:]
             results[arm].append(summarise(steps))
-            print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.0f} samples/s", flush=True)
-    lines = [f"`python benchmarks/throughput.py --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
-             f"{PROMPTS} prompts x {G} completions, <= {MAX_NEW} new tokens; median [min, max] over {args.rounds} rounds.", "",
-             "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | samples/s vs grpo.py (pair by pair) |",
-             "|---|---|---|---|---|---|---|"]
+            print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.3g} samples/s", flush=True)
+    command = f"python benchmarks/throughput.py{' --mode real' if name != 'compare' else ''} --rounds {args.rounds} " \
+              f"--warmup {args.warmup} --steps {args.steps}"
+    lines = [f"`{command}`: {work.model}, {work.prompts} prompts x {work.generations} completions, <= {work.max_new} new "
+             f"tokens, {work.dtype} on {work.device}; median [min, max] over {args.rounds} rounds.", "",
+             "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | GPU max allocated (MB) "
+             "| samples/s vs grpo (pair by pair) |", "|---|---|---|---|---|---|---|---|"]
     for arm in args.arms:
         r = results[arm]
         ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r, results["grpo"])] if "grpo" in results else []
+        gpu = med([x["gpu_mb"] for x in r], ".0f") if r[0]["gpu_mb"] else "–"
         lines.append(f"| {arm} | {med([x['samples_per_s'] for x in r])} | {med([x['tokens_per_s'] for x in r])} | "
                      f"{med([x['gen_s'] for x in r])} | {med([x['train_s'] for x in r])} | {med([x['rss_mb'] for x in r], '.0f')} | "
-                     f"{med(ratio, '.2f') if ratio else '–'} |")
-    if "trl" in results and "grpo" in results:
-        ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results["grpo"], results["trl"])]
-        lines += ["", f"postrl grpo.py / TRL GRPOTrainer, samples/s, pair by pair: {med(ratio, '.2f')}"]
+                     f"{gpu} | {med(ratio, '.2f') if ratio else '–'} |")
+    for ours, theirs in (("grpo", "trl"), ("grpo_lora", "trl_lora")):
+        if ours in results and theirs in results:
+            ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results[ours], results[theirs])]
+            memory = [a["rss_mb"] / b["rss_mb"] for a, b in zip(results[ours], results[theirs])]
+            lines += ["", f"postrl {ours} / TRL {theirs}, pair by pair: samples/s {med(ratio, '.2f')}, peak RSS {med(memory, '.2f')}"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "compare.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def memory(args: Args) -> None:
+    """Each option's peak memory and samples/s on the real model, one child at a time, in rounds."""
+    from common.models import load_model, resolve_model
+
+    work = real_work(args)
+    params = load_model(resolve_model(work.model, "gsm8k")).num_parameters()
+    arms = memory_arms(work.dtype)
+    results = {arm: [] for arm in arms}
+    for i in range(args.rounds):
+        for arm, (script, flags) in arms.items():
+            emulated_bf16 = "bfloat16" in flags and work.device == "cpu"  # 25x slower without bf16 units: 1 step
+            steps = 1 if emulated_bf16 else args.warmup + args.steps
+            with tempfile.TemporaryDirectory() as tmp:
+                rows = postrl_child(script, Path(tmp) / "run", steps, flags, work)[-1 if emulated_bf16 else args.warmup:]
+            results[arm].append(summarise(rows))
+            print(f"round {i} {arm}: {results[arm][-1]['rss_mb']:.0f} MB, {results[arm][-1]['samples_per_s']:.3g} samples/s",
+                  flush=True)
+    lines = [f"`python benchmarks/throughput.py --mode memory --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
+             f"{work.model} ({params / 1e6:.1f}M parameters), {work.prompts} prompts x {work.generations} completions, "
+             f"<= {work.max_new} new tokens, beta {work.beta} (a reference model, or LoRA's adapters switched off), {work.device}; "
+             f"median [min, max] over {args.rounds} rounds.", "",
+             "| options | peak RSS (MB) | bytes per parameter | GPU max allocated (MB) | samples/s | training s/step |",
+             "|---|---|---|---|---|---|"]
+    for arm, r in results.items():
+        rss = [x["rss_mb"] for x in r]
+        gpu = med([x["gpu_mb"] for x in r], ".0f") if r[0]["gpu_mb"] else "–"
+        note = " (bf16 emulated on this CPU: 1 step)" if "bfloat16" in arm and work.device == "cpu" else ""
+        lines.append(f"| {arm}{note} | {med(rss, '.0f')} | {statistics.median(rss) * 2**20 / params:.1f} | {gpu} | "
+                     f"{med([x['samples_per_s'] for x in r])} | {med([x['train_s'] for x in r])} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -265,4 +383,12 @@ def growth(args: Args) -> None:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    compare(args) if args.mode == "compare" else growth(args)
+    if args.mode in ("real", "memory") and not (ROOT / "data" / "word_problems" / "train.jsonl").is_file():
+        from common import word_problems
+
+        word_problems.write(ROOT / "data" / "word_problems")
+    if args.mode == "real":
+        compare(args if args.arms != Args().arms else Args(**{**vars(args), "arms": ["grpo", "trl", "grpo_lora", "trl_lora"]}),
+                real_work(args), "compare_real")
+    else:
+        {"compare": compare, "growth": growth, "memory": memory}[args.mode](args)

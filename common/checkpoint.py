@@ -19,12 +19,14 @@ import torch
 from common.cli import ConfigError
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, extra: dict | None = None, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, extra: dict | None = None, keep: int = 2,
+                    weights: dict | None = None) -> Path:
+    """weights: the model's full state dict when it is sharded (accelerator.get_state_dict gathers it under FSDP)."""
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", root / f"step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -54,8 +56,12 @@ def export_model(run_dir: Path, model, tokenizer, dtype: str) -> Path:
     return final
 
 
-def find_checkpoint(path: str) -> Path:
-    """A checkpoint directory, or the latest complete checkpoint of a run directory."""
+def find_checkpoint(path: str, accelerator=None) -> Path:
+    """A checkpoint directory, or the latest complete checkpoint of a run directory. Under FSDP the optimizer
+    state is sharded over the processes and a checkpoint holds the gathered weights only: resuming is refused."""
+    if accelerator is not None and accelerator.distributed_type == "FSDP":
+        raise ConfigError(f"--resume {path}: resuming an FSDP run is not supported (its AdamW state is sharded); a checkpoint "
+                          "holds the full weights, so start a new run from it with --model <checkpoint dir>")
     p = Path(path)
     if (p / "state.pt").is_file():
         return p

@@ -8,7 +8,16 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
+
+
+def device_memory(device) -> dict[str, float]:
+    """memory/max_allocated_mb: the most GPU memory torch has held so far on a CUDA device (nothing elsewhere;
+    on a CPU, measure the process's peak resident memory from outside)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"memory/max_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20}
 
 
 class MetricsWriter:

@@ -15,7 +15,7 @@ Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +67,29 @@ def row_uniforms(keys: list[tuple[int, ...]], length: int, device) -> torch.Tens
     """(B, length) uniforms in [0, 1), row b drawn from its own seed sequence keys[b]."""
     u = np.stack([np.random.default_rng(list(key)).random(length) for key in keys])
     return torch.from_numpy(u).to(device=device, dtype=torch.float32)
+
+
+@contextmanager
+def full_parameters(model):
+    """Sharded weights (FSDP2, as accelerate's FSDP config makes them) gathered once for a whole rollout, not once
+    per decoded token, and freed after it; for any other model, nothing to do."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if FSDPModule else []
+    if not sharded:
+        yield
+        return
+    sharded[0].set_reshard_after_forward(False)  # every sharded module keeps its weights after a forward
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+        sharded[0].set_reshard_after_forward(True)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,13 +181,15 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     if envs is not None:
         from common.multiturn import multi_turn_rollout  # (multiturn builds on this module)
 
-        return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device)
+        with full_parameters(model):
+            return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     uniforms = row_uniforms(keys, max_new_tokens, device) if temperature > 0 else None
     was_training = model.training
     model.eval()
-    ids, logprobs = sample(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids,
-                           tokenizer.pad_token_id, uniforms)
+    with full_parameters(model):
+        ids, logprobs = sample(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids,
+                               tokenizer.pad_token_id, uniforms)
     model.train(was_training)
     mask, finished = completion_mask(ids, eos_ids)
     texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)

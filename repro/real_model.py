@@ -29,7 +29,7 @@ class Args:
     output_dir: str = "runs/repro_real_model"
     flags: list[str] = field(default_factory=lambda: [
         "--model", "smollm2-135m-instruct", "--task", "gsm8k", "--temperature", "0.7", "--max-new-tokens", "128",
-        "--prompts-per-step", "2", "--num-generations", "8", "--lr", "1e-5", "--beta", "0", "--steps", "24",
+        "--prompts-per-step", "2", "--num-generations", "8", "--lr", "1e-5", "--beta", "0", "--steps", "18",
         "--eval-every", "0", "--eval-prompts", "48", "--eval-samples", "4", "--eval-k", "4", "--save-every", "1000"])
     """flags given to every run (the recipe; see the README for how it was chosen)"""
 

@@ -132,3 +132,44 @@ def test_async_grpo_runs_with_lora_in_both_modes(tmp_path):
         async_grpo.main(small_args(async_grpo, tmp_path / mode, steps=3, mode=mode, eval_every=0, **LORA))
         rows = read_metrics(tmp_path / mode / "run")
         assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["policy/kl_ref"] > 0
+
+
+# ---------------------------------------------------------------- sharding
+FSDP2_ROLLOUT = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+dist.init_process_group("gloo")
+import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+from torch.distributed.fsdp import fully_shard
+from common.models import char_tokenizer, load_model, resolve_model
+from common.rollout import rollout
+
+tokenizer, path = char_tokenizer(), resolve_model("embedded", "reverse")
+whole, sharded = load_model(path), load_model(path)
+for layer in sharded.model.layers:
+    fully_shard(layer)
+fully_shard(sharded)  # 3 sharded modules: the root and two decoder layers
+gathers, all_gather = [], param_group.foreach_all_gather
+param_group.foreach_all_gather = lambda *a, **k: (gathers.append(1), all_gather(*a, **k))[1]
+prompts, keys = ["123>", "45678>", "9>"], [(0, i) for i in range(3)]
+a = rollout(whole, tokenizer, prompts, keys, 8, 1.0, [tokenizer.eos_token_id], "cpu")
+b = rollout(sharded, tokenizer, prompts, keys, 8, 1.0, [tokenizer.eos_token_id], "cpu")
+assert a.texts == b.texts and a.logprobs.equal(b.logprobs), (a.texts, b.texts)
+assert len(gathers) == 3, len(gathers)  # once per sharded module for the whole rollout (decoding took several forwards)
+assert int(a.completion_mask.sum(-1).max()) > 2
+print("ok", dist.get_rank())
+"""
+
+
+def test_fsdp2_sampling_gathers_the_weights_once_per_rollout_and_samples_what_the_whole_model_does(tmp_path):
+    """accelerate runs FSDP only on GPUs (with --cpu it falls back to DDP), so this checks postrl's part with torch's
+    FSDP2 directly, on two gloo processes: a sharded model samples the unsharded model's tokens, and its weights are
+    all-gathered once per module for a rollout, not once per decoded token."""
+    from conftest import ROOT, launch_two_processes
+
+    script = tmp_path / "fsdp2_rollout.py"
+    script.write_text(FSDP2_ROLLOUT)
+    out = launch_two_processes(str(script), str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("ok") == 2

@@ -125,6 +125,10 @@ class Args:
     """completion budget (default: the task's)"""
     temperature: float = 1.0
     """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
+    top_k: int = 0
+    """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
     # ---------------------------------------------------------------- asynchrony
     mode: Literal["threaded", "emulated"] = "threaded"
     """threaded: a generation thread overlaps with training; emulated: no thread, batch t from exactly version t-1-K"""
@@ -216,6 +220,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
     check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
     check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
     check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
@@ -265,7 +270,7 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     answers = [a for a in rows["answer"] for _ in range(G)]
     keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
     out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
-                  task.envs(answers), args.generation_batch_size)  # envs: multi-turn tasks only
+                  task.envs(answers), args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
     rewards, successes = (torch.tensor(x, device=device).float() for x in task.score(out, answers))
     return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes)
 
@@ -491,7 +496,7 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
 
     def m2po_keep() -> torch.Tensor:  # M from (log pi_theta / mu)^2 at the weights of this pass
         with torch.no_grad():
-            now = [token_logprobs(policy, *x, args.temperature)[0] for x in inputs]
+            now = [token_logprobs(policy, *x, args.temperature, False, args.top_k, args.top_p)[0] for x in inputs]
         for j, logps in enumerate(now):
             if j not in old_logps:
                 set_pi_old(j, logps)
@@ -502,7 +507,7 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     for iteration in range(args.num_iterations):
         keep = m2po_keep() if args.correction == "m2po" else None
         for j, rows in enumerate(chunks):
-            logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, with_entropy=iteration == 0)
+            logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, iteration == 0, args.top_k, args.top_p)
             if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
                 if j not in old_logps:
                     set_pi_old(j, logps)
@@ -592,7 +597,7 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(policy, tokenizer, task, args.eval_samples, args.eval_k, args.max_new_tokens,
-                        args.temperature, eos_ids, device, args.seed, batch_size=args.generation_batch_size)
+                        args.temperature, eos_ids, device, args.seed, 0, 1, args.generation_batch_size, args.top_k, args.top_p)
 
     stop = GracefulStop()
     bar = progress_bar(args.steps, initial=max(start - 1, 0), desc=run_dir.name)

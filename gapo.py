@@ -116,6 +116,10 @@ class Args:
     """completion budget (default: the task's)"""
     temperature: float = 1.0
     """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
+    top_k: int = 0
+    """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
     # ---------------------------------------------------------------- algorithm
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
@@ -168,6 +172,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.eps_high_max >= args.eps_low, f"--eps-high-max must be >= --eps-low (got {args.eps_high_max} < {args.eps_low})")
     check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
     check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
     check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
@@ -261,7 +266,7 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
         for j, rows in enumerate(chunks):
             # attention on model and environment tokens; the loss on the model's (mask) only
             inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], batch.attention_mask[rows])
-            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, with_entropy=iteration == 0)
+            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, iteration == 0, args.top_k, args.top_p)
             if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
                 old_logps[j] = logps.detach()
                 entropy += (token_entropy.detach() * mask[rows]).sum()
@@ -348,7 +353,8 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(accelerator.unwrap_model(policy), tokenizer, task, args.eval_samples, args.eval_k,
-                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size)
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size,
+                        args.top_k, args.top_p)
 
     stop = GracefulStop()
     bar = progress_bar(args.steps, initial=max(start - 1, 0), disable=not accelerator.is_main_process, desc=run_dir.name)
@@ -368,7 +374,8 @@ def main(args: Args) -> None:
         # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size)  # envs: multi-turn
+                        args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size, args.top_k,
+                        args.top_p)  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
         scored = task.score(batch, answers)  # (rewards, successes)
         rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)

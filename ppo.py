@@ -114,6 +114,10 @@ class Args:
     """completion budget (default: the task's)"""
     temperature: float = 1.0
     """sampling temperature; the training forward divides logits by it too"""
+    top_p: float = 1.0
+    """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
+    top_k: int = 0
+    """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
     # ---------------------------------------------------------------- algorithm
     lr: float = 1e-4
     """AdamW learning rate for the policy and the critic"""
@@ -178,6 +182,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
     check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
+    check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
     check(args.steps >= 1 and args.ppo_epochs >= 1, f"--steps and --ppo-epochs must be >= 1 (got {args.steps}, {args.ppo_epochs})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
@@ -298,7 +303,8 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
         for rows in order.tensor_split(args.minibatches):
             num_tokens = accelerator.reduce(mask[rows].sum().float(), "sum") / accelerator.num_processes
             logits, values = model(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
-            logps, entropy = logprobs_from_logits(logits, batch.completion_ids[rows], args.temperature, with_entropy=True)
+            logps, entropy = logprobs_from_logits(logits, batch.completion_ids[rows], args.temperature, True, True, args.top_k,
+                                                  args.top_p)
             loss, minibatch_stats = ppo_loss(logps, old_logps[rows], values, old_values[rows], advantages[rows],
                                              returns[rows], entropy, mask[rows], args, num_tokens)
             accelerator.backward(loss)  # DDP averages over processes; num_tokens is the per-process share
@@ -380,7 +386,8 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(accelerator.unwrap_model(model).policy, tokenizer, task, args.eval_samples, args.eval_k,
-                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size)
+                        args.max_new_tokens, args.temperature, eos_ids, device, args.seed, rank, world, args.generation_batch_size,
+                        args.top_k, args.top_p)
 
     def save(step: int) -> None:
         weights = accelerator.get_state_dict(model)  # under FSDP gathered from every process's shard
@@ -410,7 +417,7 @@ def main(args: Args) -> None:
         # ---- 2. roll out, each completion with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(model).policy, tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device, batch_size=args.generation_batch_size)
+                        args.temperature, eos_ids, device, None, args.generation_batch_size, args.top_k, args.top_p)
         mask = batch.completion_mask.float()
         # ---- 3. score; a completion that never ends gets the penalty score
         task_scores = torch.tensor(task.reward(batch.texts, answers), device=device)
@@ -420,7 +427,7 @@ def main(args: Args) -> None:
         # ---- 4. pi_old, V_old and pi_ref at the sampling weights; per-token rewards; GAE
         with torch.no_grad():
             logits, old_values = model(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
-            old_logps, _ = logprobs_from_logits(logits, batch.completion_ids, args.temperature)
+            old_logps, _ = logprobs_from_logits(logits, batch.completion_ids, args.temperature, top_k=args.top_k, top_p=args.top_p)
             ref_logps = None
             if ref is not None:
                 ref_logits, _ = completion_logits(ref, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,

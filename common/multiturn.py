@@ -61,7 +61,8 @@ def right_pad(rows: list[list], value, dtype, device) -> torch.Tensor:
 
 
 def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], keys: list[tuple[int, ...]],
-                       max_new_tokens: int, temperature: float, eos_ids: list[int], device):
+                       max_new_tokens: int, temperature: float, eos_ids: list[int], device, top_k: int = 0,
+                       top_p: float = 1.0):
     """One trajectory per env (repeat a row G times for a group); max_new_tokens is the budget of one model turn."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [env.reset(p) for env, p in zip(envs, prompts)], device)
     pad = tokenizer.pad_token_id
@@ -77,7 +78,7 @@ def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], ke
             break
         ids, mask = left_pad([context[b] + tokens[b] for b in active], pad, device)
         uniforms = row_uniforms([(*keys[b], k) for b in active], max_new_tokens, device) if temperature > 0 else None
-        out, out_logps = sample(model, ids, mask, max_new_tokens, temperature, eos_ids, pad, uniforms)
+        out, out_logps = sample(model, ids, mask, max_new_tokens, temperature, eos_ids, pad, uniforms, top_k, top_p)
         lengths = completion_mask(out, eos_ids)[0].sum(-1).tolist()
         for row, b in enumerate(active):
             room = envs[b].max_tokens - len(tokens[b])

@@ -3,7 +3,10 @@
 Sampling is a plain KV-cached loop rather than `model.generate`, for three reasons a reader of the
 algorithms cares about:
   * it records the behaviour log-probs log mu(y_t | .) of the exact distribution it sampled from
-    (softmax(logits / temperature), no hidden top-k/top-p from a model's generation_config);
+    (softmax(logits / temperature), truncated to --top-k / --top-p if asked and renormalised; no hidden
+    top-k/top-p from a model's generation_config), and the training forward scores tokens under the same
+    truncation, so that the first pass's ratio is 1 (scoring the full distribution against truncated
+    behaviour log-probs would make it the kept mass, about 0.9 at top-p 0.8);
   * each completion draws its randomness from its own key (seed, step, prompt index, g), so the
     completions of a prompt do not depend on the batch size, on micro-batching or on how prompts
     are sharded across processes: 1 and 2 processes sample the same tokens, and a resumed run
@@ -112,6 +115,27 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (..., V) set to -inf outside the top_k largest and outside the smallest set of most likely tokens
+    whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). The
+    token ids in `keep` (...) stay in the set whatever: the training forward keeps the token it scores, so a
+    token sampled at the edge of the set, where a forward pass with another shape can round the other way,
+    never scores -inf. Unchanged at top_k 0 and top_p 1."""
+    if top_k <= 0 and top_p >= 1.0:
+        return logits
+    remove = torch.zeros_like(logits, dtype=torch.bool)
+    if top_k > 0:
+        remove |= logits < torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits.masked_fill(remove, float("-inf")), dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        above = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each one
+        remove |= torch.zeros_like(remove).scatter(-1, order, above >= top_p)
+    if keep is not None:
+        remove.scatter_(-1, keep.unsqueeze(-1), False)
+    return logits.masked_fill(remove, float("-inf"))
+
+
 def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token y = min{v : cdf(v) > u} of each row of log-probs (B, V), u (B, 1) in [0, 1].
 
@@ -128,9 +152,10 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
-           pad_id: int, uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
-    with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T)."""
+    with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
+    truncated to top_k / top_p and renormalised."""
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -149,7 +174,9 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs = [], []
     for t in range(max_new_tokens):
-        logp = torch.log_softmax(logits[:, -1].float() / (temperature or 1.0), dim=-1)
+        logp = torch.log_softmax(truncate(logits[:, -1].float() / (temperature or 1.0), top_k, top_p), dim=-1)
+        if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
+            raise FloatingPointError("the model's logits are not finite while sampling: its weights have diverged")
         if temperature == 0:
             token = logp.argmax(-1, keepdim=True)
         else:
@@ -168,7 +195,7 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
             temperature: float, eos_ids: list[int], device, envs: list | None = None,
-            batch_size: int | None = None) -> Rollout:
+            batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
     batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
@@ -176,20 +203,21 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     if batch_size is not None and len(prompts) > batch_size:
         return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
                                         max_new_tokens, temperature, eos_ids, device,
-                                        envs[i : i + batch_size] if envs is not None else None)
+                                        envs[i : i + batch_size] if envs is not None else None, top_k=top_k, top_p=top_p)
                                 for i in range(0, len(prompts), batch_size)], tokenizer.pad_token_id)
     if envs is not None:
         from common.multiturn import multi_turn_rollout  # (multiturn builds on this module)
 
         with full_parameters(model):
-            return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device)
+            return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device,
+                                      top_k, top_p)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     uniforms = row_uniforms(keys, max_new_tokens, device) if temperature > 0 else None
     was_training = model.training
     model.eval()
     with full_parameters(model):
         ids, logprobs = sample(model, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_ids,
-                               tokenizer.pad_token_id, uniforms)
+                               tokenizer.pad_token_id, uniforms, top_k, top_p)
     model.train(was_training)
     mask, finished = completion_mask(ids, eos_ids)
     texts = tokenizer.batch_decode(ids * mask + tokenizer.pad_token_id * (1 - mask), skip_special_tokens=True)
@@ -232,25 +260,28 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     return out.logits[:, -T - 1 : -1], hidden
 
 
-def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True):
-    """log softmax(logits / temperature) at the given tokens; and the entropy of that distribution if
-    asked (without a gradient if entropy_grad is False: a diagnostic then costs no autograd memory)."""
-    logp_all = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
+                         top_k: int = 0, top_p: float = 1.0):
+    """log softmax(logits / temperature) at the given tokens, truncated to top_k / top_p as the sampler was (the
+    scored token kept); and the entropy of that distribution if asked (without a gradient if entropy_grad is
+    False: a diagnostic then costs no autograd memory)."""
+    logp_all = torch.log_softmax(truncate(logits.float() / (temperature or 1.0), top_k, top_p, keep=tokens), dim=-1)
     logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         with nullcontext() if entropy_grad else torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            p = logp_all.exp()  # 0 log 0 = 0 outside a truncated set (masked first: a NaN there would reach the gradient)
+            entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
     return logps, entropy
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature), with the
-    same positions and mask as at sampling; and the entropy of that distribution if asked (a
-    diagnostic, without a gradient)."""
+                   with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature) (truncated to top_k /
+    top_p when the sampler was), with the same positions and mask as at sampling; and the entropy of that
+    distribution if asked (a diagnostic, without a gradient)."""
     logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False)
+    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False, top_k=top_k, top_p=top_p)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -266,7 +297,8 @@ EVAL_KEY = 2**31 - 1  # the eval draws use keys (seed, EVAL_KEY, prompt, sample)
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temperature: float, eos_ids: list[int],
-             device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None) -> dict[str, float]:
+             device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None, top_k: int = 0,
+             top_p: float = 1.0) -> dict[str, float]:
     """pass@1 and pass@k from n samples per held-out prompt at the sampling temperature (unbiased
     estimator), greedy accuracy, and mean sampled reward. Prompts are sharded over processes."""
     from accelerate.utils import gather_object
@@ -277,7 +309,7 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     repeated = [a for a in answers for _ in range(n)]
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
                       [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
-                      task.envs(repeated), batch_size)
+                      task.envs(repeated), batch_size, top_k, top_p)
     rewards, successes = task.score(sampled, repeated)
     greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
                      task.envs(answers), batch_size)

@@ -7,7 +7,7 @@ import torch
 from conftest import CHAT_TEMPLATE
 
 from common.rollout import (completion_mask, encode_prompts, inverse_cdf, pass_at_k, rollout, row_uniforms, sample,
-                            token_logprobs)
+                            token_logprobs, truncate)
 
 PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
 
@@ -126,3 +126,35 @@ def test_inverse_cdf_samples_the_distribution():
     tokens = inverse_cdf(logp.expand(200_000, 4), u)
     freq = torch.bincount(tokens[:, 0], minlength=4).float() / 200_000
     assert freq.tolist() == pytest.approx([0.1, 0.0, 0.6, 0.3], abs=0.005)
+
+
+def test_top_p_and_top_k_sample_from_the_truncated_set_and_the_training_forward_scores_it(tiny_model, tokenizer):
+    """The random tiny model spreads its probability (high entropy), so truncation matters. Behaviour log-probs are
+    those of the renormalised truncated distribution, and token_logprobs under the same truncation gives back the
+    same numbers (first-pass ratio 1). Scoring the full distribution instead, as libraries that forget the
+    truncation do, gives a ratio equal to the kept mass: well below 1."""
+    prompts = [p for p in PROMPTS for _ in range(8)]
+    keys = [(3, i) for i in range(len(prompts))]
+    for top_k, top_p in ((0, 0.8), (5, 1.0), (5, 0.8)):
+        out = rollout(tiny_model, tokenizer, prompts, keys, 10, 1.0, [tokenizer.eos_token_id], "cpu", top_k=top_k, top_p=top_p)
+        inputs = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+        m = out.completion_mask.bool()
+        with torch.no_grad():
+            same, _ = token_logprobs(tiny_model, *inputs, 1.0, top_k=top_k, top_p=top_p)
+            full, _ = token_logprobs(tiny_model, *inputs, 1.0)
+        assert torch.allclose(same[m], out.logprobs[m], atol=1e-5)
+        assert torch.exp(same[m] - out.logprobs[m]).mean().item() == pytest.approx(1.0, abs=1e-5)
+        kept_mass = torch.exp(full[m] - out.logprobs[m]).mean().item()
+        assert kept_mass < 0.95, (top_k, top_p, kept_mass)  # the known bias: ratio = kept mass
+        assert (full[m] <= out.logprobs[m] + 1e-6).all()  # truncation only moves probability onto the kept tokens
+
+
+def test_truncate_keeps_the_top_k_then_the_smallest_set_reaching_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = lambda **kw: torch.isfinite(truncate(logits, **kw))[0].tolist()
+    assert kept(top_p=0.6) == [True, True, False, False, False]  # 0.5 < 0.6, 0.5 + 0.2 reaches it
+    assert kept(top_p=0.5) == [True, False, False, False, False]
+    assert kept(top_k=3) == [True, True, True, False, False]
+    assert kept(top_k=3, top_p=0.75) == [True, True, False, False, False]  # top-p of the top-3, renormalised: 0.59, 0.24
+    assert kept(top_p=0.5, keep=torch.tensor([3])) == [True, False, False, True, False]  # the scored token stays
+    assert torch.equal(truncate(logits), logits)

@@ -38,7 +38,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -78,11 +78,21 @@ class Args:
     task: str = "reverse"
     """reverse | add | chain-N[-partial|-sum] (embedded, offline; chain: multi-turn) | gsm8k (hub or --data-path)"""
     data_path: str | None = None
-    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    """gsm8k: a .json/.jsonl file with `question` and `answer` fields; math: MATH rows; data: any .json/.jsonl/.csv/.parquet"""
     train_size: int | None = None
     """use only the first N training prompts (default: all); a small pool is revisited often"""
     eval_data_path: str | None = None
-    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    """held-out file of the same form (default: gsm8k's hub test split, or the last rows of --data-path)"""
+    eval_fraction: float | None = None
+    """math, data: hold out this fraction of --data-path's last rows (default: --eval-data-path, or its last rows)"""
+    prompt_column: str = "prompt"
+    """data: the column holding each prompt (text, or chat messages [{"role": ..., "content": ...}])"""
+    answer_column: str = "answer"
+    """data: the column the reward functions compare completions against"""
+    reward: list[str] = field(default_factory=list)
+    """reward functions by import path, module:function (several: --reward a:f b:g); replace the task's reward"""
+    reward_weights: list[float] = field(default_factory=list)
+    """weights of the --reward functions (default: 1 each); the reward is their weighted sum"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """compute dtype; bfloat16 = mixed precision: float32 weights and AdamW state, bf16 matrix products (autocast)"""
     pure_dtype: bool = False
@@ -323,7 +333,8 @@ def main(args: Args) -> None:
     check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
-    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size, args.prompt_column,
+                     args.answer_column, args.reward, args.reward_weights, args.eval_fraction)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
@@ -377,8 +388,10 @@ def main(args: Args) -> None:
                         args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size, args.top_k,
                         args.top_p)  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
-        scored = task.score(batch, answers)  # (rewards, successes)
+        parts = {}  # --reward functions' own values, logged as reward/<name>
+        scored = task.score(batch, answers, rows, parts)  # (rewards, successes)
         rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)
+        parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
         mine = slice(rank * P * G, (rank + 1) * P * G)
         advantages = group_advantages(rewards, G, "none")  # centred, not divided by the std
         eps_high = adaptive_eps_high(advantages, G, args.eps_low, args.eps_high_max)
@@ -393,6 +406,7 @@ def main(args: Args) -> None:
         finished = accelerator.gather(batch.finished.float())
         metrics.update({
             "reward/mean": rewards.mean().item(),
+            **parts,
             "reward/std": rewards.std().item(),
             "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
             "accuracy/train": successes.mean().item(),

@@ -34,7 +34,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -76,11 +76,21 @@ class Args:
     task: str = "reverse"
     """reverse | reverse-long | add (embedded, offline) | gsm8k (hub `openai/gsm8k`, or --data-path)"""
     data_path: str | None = None
-    """gsm8k only: a local .json/.jsonl file with `question` (or `prompt`) and `answer` fields"""
+    """gsm8k: a .json/.jsonl file with `question` and `answer` fields; math: MATH rows; data: any .json/.jsonl/.csv/.parquet"""
     train_size: int | None = None
     """use only the first N training prompts (default: all)"""
     eval_data_path: str | None = None
-    """gsm8k only: held-out file of the same form (default: the hub test split, or the last rows of --data-path)"""
+    """held-out file of the same form (default: gsm8k's hub test split, or the last rows of --data-path)"""
+    eval_fraction: float | None = None
+    """math, data: hold out this fraction of --data-path's last rows (default: --eval-data-path, or its last rows)"""
+    prompt_column: str = "prompt"
+    """data: the column holding each prompt (text, or chat messages [{"role": ..., "content": ...}])"""
+    answer_column: str = "answer"
+    """data: the column the reward functions compare completions against"""
+    reward: list[str] = field(default_factory=list)
+    """reward functions by import path, module:function (several: --reward a:f b:g); replace the task's reward"""
+    reward_weights: list[float] = field(default_factory=list)
+    """weights of the --reward functions (default: 1 each); the reward is their weighted sum"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """compute dtype; bfloat16 = mixed precision: float32 weights and AdamW state, bf16 matrix products (autocast)"""
     pure_dtype: bool = False
@@ -347,7 +357,8 @@ def main(args: Args) -> None:
     check(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device is available")
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
-    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size)
+    task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size, args.prompt_column,
+                     args.answer_column, args.reward, args.reward_weights, args.eval_fraction)
     check(task.env is None, f"--task {args.task} is multi-turn: ppo.py trains on single completions (its critic and GAE "
                             "would have to skip the environment's tokens); use grpo.py, gapo.py, is_grpo.py or async_grpo.py")
     check(args.prompts_per_step <= len(task.train),
@@ -420,7 +431,9 @@ def main(args: Args) -> None:
                         args.temperature, eos_ids, device, None, args.generation_batch_size, args.top_k, args.top_p)
         mask = batch.completion_mask.float()
         # ---- 3. score; a completion that never ends gets the penalty score
-        task_scores = torch.tensor(task.reward(batch.texts, answers), device=device)
+        parts = {}  # --reward functions' own values, logged as reward/<name>
+        task_scores = torch.tensor(task.score(batch, answers, rows, parts)[0], device=device)
+        parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
         scores = task_scores
         if args.no_eos_penalty is not None:
             scores = torch.where(batch.finished, task_scores, torch.full_like(task_scores, args.no_eos_penalty))
@@ -458,6 +471,7 @@ def main(args: Args) -> None:
         non_score = accelerator.gather(-kl_coef_used * kl_per_completion)  # the KL part of each completion's return
         metrics.update({
             "reward/mean": gathered_scores.mean().item(),
+            **parts,
             "reward/std": gathered_scores.std().item(),
             "accuracy/train": (gathered_scores >= 1.0).float().mean().item(),
             "objective/kl_ref": kl_ref,

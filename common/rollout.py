@@ -48,17 +48,21 @@ class Rollout:
             self.attention_mask = self.completion_mask
 
 
-def encode_prompts(tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask; chat models get their chat template. Each distinct prompt is
-    tokenized once (a group repeats its prompt G times)."""
-    position = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-    unique = list(position)
-    rows = torch.tensor([position[p] for p in prompts]) if len(unique) < len(prompts) else None
+def encode_prompts(tokenizer, prompts: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask; chat models get their chat template, and a prompt given as chat
+    messages ([{"role": ..., "content": ...}, ...]) is rendered by it. Each distinct prompt is tokenized
+    once (a group repeats its prompt G times)."""
+    import json
+
+    keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
+    position = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    unique = list({k: p for k, p in zip(keys, prompts)}.values())
+    rows = torch.tensor([position[k] for k in keys]) if len(unique) < len(prompts) else None
     if getattr(tokenizer, "chat_template", None):
-        unique = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in unique
-        ]
+        unique = [tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
+                                                tokenize=False, add_generation_prompt=True) for p in unique]
+    elif not all(isinstance(p, str) for p in unique):
+        raise ValueError("prompts given as chat messages need a tokenizer with a chat template")
     enc = tokenizer(unique, padding=True, return_tensors="pt", add_special_tokens=False)
     ids, mask = enc["input_ids"], enc["attention_mask"]
     if rows is not None:
@@ -310,10 +314,10 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
                       [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
                       task.envs(repeated), batch_size, top_k, top_p)
-    rewards, successes = task.score(sampled, repeated)
+    rewards, successes = task.score(sampled, repeated, shard)
     greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
                      task.envs(answers), batch_size)
-    _, greedy_successes = task.score(greedy, answers)
+    _, greedy_successes = task.score(greedy, answers, shard)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote

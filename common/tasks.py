@@ -13,9 +13,13 @@ Embedded tasks (offline, generated from a fixed seed, each with a warm-started t
                   chain-N: outcome reward (1 at the last turn if right); chain-N-partial: 1/N per turn
                   whose sum is right (progress credit); chain-N-sum: the two added. One warm-started
                   model (common/weights/chain) serves every N.
-Real task:
+Real tasks:
     gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
              `answer` fields; the reference answer is the number after `####` (or the whole answer).
+    math     local MATH-format files (`problem`, `solution` with \boxed{}), scored by math-verify.
+    data     any local data file with your reward functions (common/user_tasks.py).
+--reward module:function (several, --reward-weights) replaces a task's reward with the weighted sum of
+yours; each function gets the completions, the answers and the row's other columns.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from common.cli import ConfigError
 
 EMBEDDED_TASKS = ("reverse", "reverse-long", "add")  # single-turn; each has a model in common/weights/<name>
 EMBEDDED_MODELS = EMBEDDED_TASKS + ("chain",)  # the directories of common/weights/
-TASKS = ("reverse", "reverse-long", "add", "chain-N[-partial|-sum]", "gsm8k")
+TASKS = ("reverse", "reverse-long", "add", "chain-N[-partial|-sum]", "gsm8k", "math", "data")
 DATA_SEED = 1234  # the embedded data sets are the same for every run and every seed
 
 
@@ -47,17 +51,30 @@ class Task:
     max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
     env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
     formatted: Callable[[list[str]], list[bool]] | None = None  # whether each completion gives its answer in the task's format
+    reward_functions: list | None = None  # --reward: user functions by import path, weighted (common/user_tasks.py)
 
     def envs(self, answers: list[str]) -> list | None:
         """One environment per row for a multi-turn task; None for a single-turn one."""
         return None if self.env is None else [self.env(a) for a in answers]
 
-    def score(self, batch, answers: list[str]) -> tuple[list[float], list[bool]]:
+    def score(self, batch, answers: list[str], rows=None, parts: dict | None = None) -> tuple[list[float], list[bool]]:
         """The reward of each row and whether it succeeded (what pass@k counts): the environment's reward
-        summed over turns and its verdict, or the task's reward of the completion and reward == 1."""
+        summed over turns and its verdict, or the task's reward of the completion (the weighted --reward
+        functions, given the answers and the other columns of `rows`, the prompts' Dataset rows) and
+        reward >= 1. With --reward functions, `parts` (if given) receives each one's values by name."""
         if batch.rewards is not None:
             return batch.rewards, batch.successes
-        rewards = self.reward(batch.texts, answers)
+        if self.reward_functions:
+            from common.user_tasks import weighted_reward
+
+            extra = [c for c in (rows.column_names if rows is not None else []) if c not in ("prompt", "answer")]
+            repeat = len(answers) // len(rows) if rows is not None else 1
+            columns = {c: [v for v in rows[c] for _ in range(repeat)] for c in extra}
+            rewards, values = weighted_reward(self.reward_functions, batch.texts, answers, columns)
+            if parts is not None:
+                parts.update(values)
+        else:
+            rewards = self.reward(batch.texts, answers)
         return rewards, [r >= 1.0 for r in rewards]
 
 
@@ -93,11 +110,11 @@ def add_noisy_label(answer: str, rng: random.Random) -> str:
 NOISY_LABELS = {"reverse": reverse_noisy_label, "reverse-long": reverse_noisy_label, "add": add_noisy_label}
 
 
-def exact_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+def exact_match_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     return [float(c.strip() == a) for c, a in zip(completions, answers)]
 
 
-def digit_match_reward(completions: list[str], answers: list[str]) -> list[float]:
+def digit_match_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     """Fraction of digit positions right, aligned on the units digit, over the longer string."""
     rewards = []
     for c, a in zip(completions, answers):
@@ -225,7 +242,7 @@ def gsm8k_formatted(completions: list[str]) -> list[bool]:
     return ["####" in c and _NUMBER.search(c.rsplit("####", 1)[1]) is not None for c in completions]
 
 
-def gsm8k_reward(completions: list[str], answers: list[str]) -> list[float]:
+def gsm8k_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     rewards = []
     for c, a in zip(completions, answers):
         predicted, reference = extract_number(c), extract_number(a)
@@ -298,17 +315,59 @@ def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int)
                 formatted=gsm8k_formatted)
 
 
+def user_task(name: str, data_path: str | None, eval_data_path: str | None, num_test: int, prompt_column: str,
+              answer_column: str, eval_fraction: float | None) -> Task:
+    """--task data (your columns, your rewards) or --task math (MATH rows, math-verify)."""
+    from common import user_tasks as u
+
+    if data_path is None:
+        raise ConfigError(f"--task {name} needs --data-path (a local .json, .jsonl, .csv or .parquet file)")
+    data = u.read_data(data_path)
+    eval_data = u.read_data(eval_data_path, "--eval-data-path") if eval_data_path is not None else None
+    if name == "math":
+        data, eval_data = u.math_rows(data, data_path), eval_data and u.math_rows(eval_data, eval_data_path)
+        train, test = u.split(data, eval_data, eval_fraction, num_test, data_path)
+        return Task("math", train, test, u.math_reward, max_new_tokens=512,
+                    formatted=lambda completions: [u.last_boxed(c) is not None for c in completions])
+    for d, source in ((data, data_path), (eval_data, eval_data_path)):
+        if d is not None:
+            u.check_rows(d, source, prompt_column, answer_column)
+    train, test = u.split(data, eval_data, eval_fraction, num_test, data_path)
+    return Task("data", u.as_task_rows(train, prompt_column, answer_column), u.as_task_rows(test, prompt_column, answer_column),
+                reward=None, max_new_tokens=256)
+
+
 def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128,
-              train_size: int | None = None) -> Task:
-    """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often)."""
-    if embedded_model_name(name) is None and name != "gsm8k":
+              train_size: int | None = None, prompt_column: str = "prompt", answer_column: str = "answer",
+              rewards: list[str] | None = None, reward_weights: list[float] | None = None,
+              eval_fraction: float | None = None) -> Task:
+    """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often);
+    rewards (import paths, weighted) replace the task's own reward."""
+    if embedded_model_name(name) is None and name not in ("gsm8k", "math", "data"):
         raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
-    if name != "gsm8k":
+    if eval_fraction is not None and not (name in ("math", "data") and 0 < eval_fraction < 1):
+        raise ConfigError(f"--eval-fraction must be in (0, 1), with --task math or data (got {eval_fraction} with {name})")
+    functions = None
+    if rewards:
+        from common.user_tasks import load_rewards
+
+        functions = load_rewards(rewards, reward_weights)
+    elif reward_weights:
+        raise ConfigError("--reward-weights needs --reward functions")
+    if name in ("math", "data"):
+        if name == "data" and not functions:
+            raise ConfigError("--task data needs at least one --reward module:function (see common/user_tasks.py)")
+        task = user_task(name, data_path, eval_data_path, num_test, prompt_column, answer_column, eval_fraction)
+    elif name != "gsm8k":
         if data_path is not None:
-            raise ConfigError(f"--data-path is only used with --task gsm8k, not with the embedded task {name!r}")
+            raise ConfigError(f"--data-path is only used with --task gsm8k, math or data, not with the embedded task {name!r}")
         task = chain_task(name, num_test) if CHAIN.fullmatch(name) else embedded_task(name, num_test)
     else:
         task = gsm8k_task(data_path, eval_data_path, num_test)
+    if functions:
+        if task.env is not None:
+            raise ConfigError(f"--reward: the multi-turn task {name} is rewarded by its environment")
+        task.reward_functions = functions
     if train_size is not None:
         if not 1 <= train_size <= len(task.train):
             raise ConfigError(f"--train-size must be in [1, {len(task.train)}] for --task {name} (got {train_size})")

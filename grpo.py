@@ -48,7 +48,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
                            trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, rollout, token_logprobs
+from common.rollout import concat_rollouts, evaluate, rollout, select_rows, token_logprobs
 from common.tasks import load_task
 
 
@@ -119,6 +119,10 @@ class Args:
     """completion budget (default: the task's)"""
     temperature: float = 1.0
     """sampling temperature; the training forward divides logits by it too, so ratios compare like with like"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and draw fresh prompts in their place"""
+    max_sampling_rounds: int = 4
+    """--dynamic-sampling: at most this many draws per step; places still empty then keep all-equal groups"""
     top_p: float = 1.0
     """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
     top_k: int = 0
@@ -178,6 +182,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
     check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
     check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
+    check(args.max_sampling_rounds >= 1, f"--max-sampling-rounds must be >= 1 (got {args.max_sampling_rounds})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
           f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the number of processes ({num_processes})")
@@ -229,6 +234,47 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
         if turn_ids is not None:
             stats["by_turn"] = turn_stats(ratio, clip_low | clip_high, turn_ids, max_turns)
     return loss, stats
+
+
+def sample_groups(policy, tokenizer, task, accelerator, args: Args, step: int, eos_ids):
+    """Steps 1-3 for this process's P prompts: draw prompts, roll out G completions each, score them. Step t's
+    draws depend only on (seed, t), so resume and sharding see the same prompts and noise. With
+    --dynamic-sampling (DAPO), groups whose G rewards are all equal (no group-relative signal) are dropped and
+    fresh prompts drawn for their places, round after round (every process takes the same rounds); after
+    --max-sampling-rounds the places still empty take all-equal groups drawn on the way, so that every
+    process trains on a full batch. Returns the batch, its rewards, successes and reward parts, and
+    (rounds, dropped groups) of this process."""
+    rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
+    P, total = args.prompts_per_step // world, args.prompts_per_step
+    local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
+    kept, spare, used, dropped = [], [], np.array([], dtype=int), 0  # groups: (rollout, its rows, rewards, successes, parts)
+    for round_ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
+        rng = np.random.default_rng([args.seed, step] if round_ == 0 else [args.seed, step, round_])
+        pool = np.setdiff1d(np.arange(len(task.train)), used)  # fresh prompts only
+        if len(pool) < total:
+            break
+        chosen = pool[rng.choice(len(pool), total, replace=False)] if round_ else rng.choice(len(task.train), total, replace=False)
+        used = np.concatenate([used, chosen])
+        rows = task.train.select(chosen[local].tolist())
+        answers = [a for a in rows["answer"] for _ in range(G)]
+        keys = [(args.seed, step, round_ * total + i, g) for i in local for g in range(G)]  # round 0: (seed, step, i, g)
+        batch = rollout(accelerator.unwrap_model(policy), tokenizer, [p for p in rows["prompt"] for _ in range(G)], keys,
+                        args.max_new_tokens, args.temperature, eos_ids, accelerator.device, task.envs(answers),
+                        args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
+        parts = {}  # --reward functions' own values, logged as reward/<name>
+        rewards, successes = task.score(batch, answers, rows, parts)
+        if not args.dynamic_sampling:  # GRPO: one draw, every group
+            return batch, rewards, successes, parts, 1, 0
+        for g0 in range(0, P * G, G):  # DAPO: keep a group only if its rewards differ
+            group = (batch, list(range(g0, g0 + G)), rewards[g0 : g0 + G], successes[g0 : g0 + G],
+                     {k: v[g0 : g0 + G] for k, v in parts.items()})
+            (spare if min(group[2]) == max(group[2]) else kept).append(group)
+        if accelerator.reduce(torch.tensor(float(len(kept) < P), device=accelerator.device), "sum").item() == 0:
+            break
+    dropped, kept = len(spare) - max(P - len(kept), 0), (kept + spare)[:P]  # at the cap all-equal groups fill the places left
+    batch = concat_rollouts([select_rows(b, rows) for b, rows, *_ in kept], tokenizer.pad_token_id)
+    rewards, successes = [r for g in kept for r in g[2]], [x for g in kept for x in g[3]]
+    return batch, rewards, successes, {k: [x for g in kept for x in g[4][k]] for k in parts}, round_ + 1, max(dropped, 0)
 
 
 def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args) -> dict[str, float]:
@@ -335,23 +381,12 @@ def main(args: Args) -> None:
             if writer:
                 writer.log(0, metrics)
             continue
-        # ---- 1. sample prompts: step t's prompts depend only on (seed, t), so resume and sharding see the same ones
+        # ---- 1-3. sample prompts, roll out G completions each (noise keys (seed, step, prompt, g)), score
         t0 = time.perf_counter()
-        chosen = np.random.default_rng([args.seed, step]).choice(len(task.train), args.prompts_per_step, replace=False)
-        local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
-        rows = task.train.select(chosen[local].tolist())
-        prompts = [p for p in rows["prompt"] for _ in range(G)]
-        answers = [a for a in rows["answer"] for _ in range(G)]
-        # ---- 2. roll out G completions per prompt, each with its own noise key (seed, step, prompt, g)
-        keys = [(args.seed, step, i, g) for i in local for g in range(G)]
-        batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size, args.top_k,
-                        args.top_p)  # envs: multi-turn tasks only
-        # ---- 3. score, 4. group-relative advantages over the global batch
-        parts = {}  # --reward functions' own values, logged as reward/<name>
-        scored = task.score(batch, answers, rows, parts)  # (rewards, successes)
+        batch, *scored, parts, rounds, dropped = sample_groups(policy, tokenizer, task, accelerator, args, step, eos_ids)
         rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)
         parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
+        # ---- 4. group-relative advantages over the global batch
         advantages = group_advantages(rewards, G, args.scale_rewards)[rank * P * G : (rank + 1) * P * G]
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
@@ -368,6 +403,9 @@ def main(args: Args) -> None:
             "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
             "accuracy/train": successes.mean().item(),
             "frac_reward_zero_std": frac_zero_std(rewards, G),
+            **({"sampling/rounds": float(rounds),  # DAPO: draws this step, all-equal groups dropped (all processes)
+                "sampling/dropped_groups": accelerator.reduce(torch.tensor(float(dropped), device=device), "sum").item()}
+               if args.dynamic_sampling else {}),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_frac": 1.0 - finished.mean().item(),
             "time/rollout_s": rollout_s,

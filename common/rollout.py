@@ -228,6 +228,20 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs * mask, finished, texts)
 
 
+def select_rows(batch: Rollout, rows: list[int]) -> Rollout:
+    """The given rows of a rollout, in that order."""
+    import dataclasses
+
+    index = torch.tensor(rows, dtype=torch.long, device=batch.completion_ids.device)
+
+    def pick(value):
+        if value is None or isinstance(value, int):
+            return value
+        return [value[i] for i in rows] if isinstance(value, list) else value[index]
+
+    return Rollout(**{f.name: pick(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
+
+
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Rollouts of consecutive rows as one: prompts left-padded and completions right-padded to the longest."""
     def pad(tensors, value, left=False):

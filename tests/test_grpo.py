@@ -201,3 +201,23 @@ def test_real_model_path_on_a_local_model_with_a_chat_template_and_a_local_gsm8k
     assert rows[1]["completions/mean_length"] <= 6 and 0.0 <= rows[1]["reward/mean"] <= 1.0
     args = json.loads((tmp_path / "run" / "args.json").read_text())
     assert args["model"] == str(model_dir) and args["task"] == "gsm8k"
+
+
+# ---------------------------------------------------------------- DAPO's dynamic sampling
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tmp_path):
+    grpo.main(small_args(tmp_path, steps=3, eval_every=0, dynamic_sampling=True, max_sampling_rounds=6))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert all(r["frac_reward_zero_std"] == 0.0 for r in rows)  # every trained group has rewards that differ
+    assert all(r["sampling/rounds"] >= 2 and r["sampling/dropped_groups"] > 0 for r in rows)  # the base model solves some
+
+
+def test_dynamic_sampling_at_its_cap_fills_the_batch_with_all_equal_groups(tmp_path):
+    """One round only: nothing can be redrawn, so the all-equal groups stay and the step is plain GRPO's batch,
+    reordered (groups with signal first): the same loss and gradient up to float rounding."""
+    grpo.main(small_args(tmp_path / "dyn", steps=1, eval_every=0, dynamic_sampling=True, max_sampling_rounds=1))
+    grpo.main(small_args(tmp_path / "plain", steps=1, eval_every=0))
+    (dyn,), (plain,) = read_metrics(tmp_path / "dyn" / "run")[1:], read_metrics(tmp_path / "plain" / "run")[1:]
+    assert dyn["sampling/dropped_groups"] == 0.0 and dyn["sampling/rounds"] == 1.0
+    assert dyn["reward/mean"] == plain["reward/mean"] and dyn["frac_reward_zero_std"] == plain["frac_reward_zero_std"] > 0
+    for key in ("loss", "policy/grad_norm", "policy/entropy", "policy/kl_ref"):
+        assert dyn[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-8), key

@@ -64,7 +64,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
                            trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import Rollout, evaluate, rollout, token_logprobs
+from common.rollout import Rollout, evaluate, rollout, rollout_to, token_logprobs
 from common.tasks import load_task
 
 
@@ -150,6 +150,8 @@ class Args:
     """threaded only: publish the learner's weights to the generator every this many steps (at most K + 1)"""
     queue_size: int = 2
     """threaded only: finished batches that may wait for the learner"""
+    generator_device: str | None = None
+    """device the generation thread samples on (e.g. cuda:1 beside a learner on cuda:0; default: the learner's)"""
     generator_threads: int | None = None
     """intra-op CPU threads of the generation thread (default: torch's, all cores; each thread has its own OpenMP pool)"""
     learner_threads: int | None = None
@@ -204,7 +206,7 @@ class Args:
 
 # Flags that may differ between a run and its resumption.
 RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
-             "generator_threads", "learner_threads", "queue_size"}
+             "generator_threads", "learner_threads", "queue_size", "generator_device"}
 
 
 def check_args(args: Args, num_processes: int) -> None:
@@ -220,6 +222,8 @@ def check_args(args: Args, num_processes: int) -> None:
           f"--sync-every ({args.sync_every}) must be at most --max-staleness + 1 ({args.max_staleness + 1}): with "
           "weights published less often the paced generator could never start a batch within K versions")
     check(args.queue_size >= 1, f"--queue-size must be >= 1 (got {args.queue_size})")
+    check(args.generator_device is None or args.generator_device.startswith("cpu") or torch.cuda.is_available(),
+          f"--generator-device {args.generator_device}: no CUDA device is available")
     for flag, value in (("--generator-threads", args.generator_threads), ("--learner-threads", args.learner_threads)):
         check(value is None or value >= 1, f"{flag} must be >= 1 (got {value})")
     check(args.tis_cap >= 1, f"--tis-cap must be >= 1 (got {args.tis_cap})")
@@ -271,7 +275,7 @@ class Batch:
     parts: dict | None = None  # --reward functions' mean values, logged as reward/<name>
 
 
-def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device) -> Batch:
+def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device, learner_device) -> Batch:
     """Batch s: the prompts grpo.py draws at step s, G completions each, keys (seed, s, prompt, g)."""
     t0 = time.perf_counter()
     chosen = np.random.default_rng([args.seed, index]).choice(len(task.train), args.prompts_per_step, replace=False)
@@ -283,8 +287,9 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
                   task.envs(answers), args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
     parts = {}
-    rewards, successes = (torch.tensor(x, device=device).float() for x in task.score(out, answers, rows, parts))
+    rewards, successes = (torch.tensor(x, device=learner_device).float() for x in task.score(out, answers, rows, parts))
     parts = {f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}
+    out = rollout_to(out, learner_device)  # sampled on the generator's device, trained on the learner's
     return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes, parts=parts)
 
 
@@ -303,11 +308,14 @@ def load_trained(model, state: dict) -> None:
     assert not unexpected, f"the snapshot does not fit the generator's model: {unexpected[:3]}"
 
 
-def generator_copy(policy):
-    """The generator's own model: a copy of the trained weights that shares every frozen one (with LoRA, the
-    whole base model: only the adapters are held twice)."""
-    frozen = {id(p): p for p in policy.parameters() if not p.requires_grad}
-    return copy.deepcopy(policy, frozen).eval()
+def generator_copy(policy, device):
+    """The generator's own model on `device`: a copy of the trained weights that, on the learner's device,
+    shares every frozen one (with LoRA, the whole base model: only the adapters are held twice); on another
+    device a full copy, moved there once. Later snapshots are copied across by the generator thread."""
+    if torch.device(device) == next(policy.parameters()).device:
+        frozen = {id(p): p for p in policy.parameters() if not p.requires_grad}
+        return copy.deepcopy(policy, frozen).eval()
+    return copy.deepcopy(policy).to(device).eval()
 
 
 class WeightBoard:
@@ -345,7 +353,8 @@ class GeneratorThread:
         try:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)  # per thread: the OpenMP pool size of this thread
-            stream = torch.cuda.Stream() if next(self.model.parameters()).is_cuda else None
+            device = next(self.model.parameters()).device
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             version, waited = None, 0.0
             while not self.stop.is_set():
                 t0 = time.perf_counter()
@@ -594,10 +603,12 @@ def main(args: Args) -> None:
     writer = MetricsWriter(run_dir, args, args.track, args.wandb_project, resume_step=start - 1)
 
     # ---- the generator: its own copy of the weights, version = learner steps behind them
-    def make_batch(model, index, version):
-        return generate(model, tokenizer, task, args, index, version, eos_ids, device)
+    generator_device = torch.device(args.generator_device) if args.generator_device else device
 
-    sampler = generator_copy(policy)
+    def make_batch(model, index, version):
+        return generate(model, tokenizer, task, args, index, version, eos_ids, generator_device, device)
+
+    sampler = generator_copy(policy, generator_device)
     version = max(start - 1, 0)
     if args.mode == "emulated":
         lagged = saved["extra"].get("lagged") or {version: snapshot(policy)}

@@ -242,6 +242,15 @@ def select_rows(batch: Rollout, rows: list[int]) -> Rollout:
     return Rollout(**{f.name: pick(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
 
 
+def rollout_to(batch: Rollout, device) -> Rollout:
+    """The rollout's tensors on `device` (a generator on its own device hands its batch to the learner; the
+    copy runs in the generator's thread, so the learner never waits for it; same device: no copy)."""
+    import dataclasses
+
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return Rollout(**{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
+
+
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Rollouts of consecutive rows as one: prompts left-padded and completions right-padded to the longest."""
     def pad(tensors, value, left=False):

@@ -152,7 +152,11 @@ def test_emulated_staleness_k_is_exactly_k_after_warm_up(tmp_path):
 
 @pytest.mark.parametrize("correction", ["none", "tis", "decoupled", "m2po"])
 def test_emulated_staleness_zero_is_grpo_bit_for_bit(tmp_path, correction):
-    async_grpo.main(small_args(tmp_path / "async", steps=3, mode="emulated", max_staleness=0, correction=correction))
+    """(m2po with the generator on a device of its own: its own full copy of the weights, snapshots copied across, batches
+    handed back to the learner's device. On a CPU, "cpu:0" is another device name for the same memory.)"""
+    on_its_own = {"generator_device": "cpu:0" if conftest.DEVICE == "cpu" else "cuda:0"} if correction == "m2po" else {}
+    async_grpo.main(small_args(tmp_path / "async", steps=3, mode="emulated", max_staleness=0, correction=correction,
+                               **on_its_own))
     grpo.main(conftest.small_args(grpo, tmp_path / "grpo", steps=3))
     ours, theirs = without_timing(read_metrics(tmp_path / "async" / "run")), without_timing(read_metrics(tmp_path / "grpo" / "run"))
     assert [{k: a[k] for k in b} for a, b in zip(ours, theirs)] == theirs
@@ -267,11 +271,11 @@ sys.argv = ["async_grpo.py", *sys.argv[1:]]
 import async_grpo
 from common.cli import run
 real = async_grpo.generate
-def generate(model, tokenizer, task, args, index, version, eos_ids, device):
+def generate(model, tokenizer, task, args, index, version, *devices):
     if index == 3:
         open(sys.argv[-1] + ".failed_at", "w").write(repr(time.time()))
         raise ValueError("reward server unreachable")
-    return real(model, tokenizer, task, args, index, version, eos_ids, device)
+    return real(model, tokenizer, task, args, index, version, *devices)
 async_grpo.generate = generate
 run(async_grpo.main, async_grpo.tyro.cli(async_grpo.Args))
 """

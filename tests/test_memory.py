@@ -111,7 +111,7 @@ def test_ppo_trains_a_value_head_on_a_lora_policy(tmp_path):
 def test_async_generator_shares_the_lora_base_and_holds_its_own_adapters():
     args = async_grpo.Args(**LORA)
     policy = load_policy(EMBEDDED, None, args)
-    sampler = async_grpo.generator_copy(policy)
+    sampler = async_grpo.generator_copy(policy, "cpu")
     pairs = list(zip(policy.parameters(), sampler.parameters()))
     frozen = [(a, b) for a, b in pairs if not a.requires_grad]
     adapters = [(a, b) for a, b in pairs if a.requires_grad]

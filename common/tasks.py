@@ -242,6 +242,12 @@ def gsm8k_formatted(completions: list[str]) -> list[bool]:
     return ["####" in c and _NUMBER.search(c.rsplit("####", 1)[1]) is not None for c in completions]
 
 
+def gsm8k_format_reward(completions: list[str], answers: list[str], **_) -> list[float]:
+    """1 if the completion gives its final answer as GSM8K asks (a number after '####'), whatever the number: a
+    shaping reward to add, weighted, to gsm8k_reward (--reward common.tasks:gsm8k_reward common.tasks:gsm8k_format_reward)."""
+    return [float(f) for f in gsm8k_formatted(completions)]
+
+
 def gsm8k_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     rewards = []
     for c, a in zip(completions, answers):

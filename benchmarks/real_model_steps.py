@@ -112,15 +112,18 @@ def main(args: Args) -> None:
             lengths.append(mask.sum(-1).float().mean().item())
     median = {k: statistics.median(v) for k, v in times.items()}
     step_s = sum(v for k, v in median.items() if not k.startswith("fwd+bwd,"))
-    print(f"SmolLM2-135M-Instruct, {args.prompts} prompts x {G} completions, <= {args.max_new_tokens} new tokens "
-          f"(mean {statistics.mean(lengths):.0f}), prompt {batch.prompt_ids.shape[1]} tokens, {args.device}, {args.dtype}: "
-          f"median of {args.steps} steps\n")
-    print("| phase | seconds | share of the step |\n|---|---|---|")
+    lines = [f"`python benchmarks/real_model_steps.py --prompts {args.prompts} --generations {G} --max-new-tokens "
+             f"{args.max_new_tokens} --device {args.device} --dtype {args.dtype}`: SmolLM2-135M-Instruct, completions of "
+             f"{statistics.mean(lengths):.0f} tokens on average, prompts of {batch.prompt_ids.shape[1]} tokens (chat "
+             f"template included); median of {args.steps} steps.", "", "| phase | seconds | share of the step |", "|---|---|---|"]
     for k, v in median.items():
-        share = f"{100 * v / step_s:.0f} %" if not k.startswith("fwd+bwd,") else "(instead of the row above)"
-        print(f"| {k} | {v:.2f} | {share} |")
-    print(f"| step | {step_s:.2f} | 100 % |")
-    print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+        share = f"{100 * v / step_s:.0f} %" if not k.startswith("fwd+bwd,") else "(in place of the policy row)"
+        lines.append(f"| {k} | {v:.2f} | {share} |")
+    lines += [f"| step | {step_s:.2f} | 100 % |", "",
+              f"Peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB (policy, reference, AdamW state)."]
+    print("\n".join(lines))
+    out = ROOT / "benchmarks" / "results" / f"real_model_steps_{args.device.split(':')[0]}.md"
+    out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

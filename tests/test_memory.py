@@ -173,3 +173,14 @@ def test_fsdp2_sampling_gathers_the_weights_once_per_rollout_and_samples_what_th
     out = launch_two_processes(str(script), str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok") == 2
+
+
+def test_resuming_an_fsdp_run_is_refused_with_the_reason(tmp_path):
+    """The AdamW state of an FSDP run is sharded over its processes; a checkpoint holds the gathered weights only."""
+    from types import SimpleNamespace
+
+    from common.checkpoint import find_checkpoint
+    from common.cli import ConfigError
+
+    with pytest.raises(ConfigError, match="resuming an FSDP run is not supported .* --model <checkpoint dir>"):
+        find_checkpoint(str(tmp_path), SimpleNamespace(distributed_type="FSDP"))

@@ -150,21 +150,25 @@ def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: boo
 
 
 def pure_dtype_warning(model, lr: float, dtype: str) -> str:
-    """The share of matrix weights for which an AdamW step (about lr per weight) is below half a ulp of
-    the weight's own dtype, so rounds back to the same value: measured on the loaded weights."""
+    """The share of trained matrix weights for which an AdamW step (about lr per weight) is below half a ulp
+    of the weight's own dtype, so rounds back to the same value: measured on the loaded weights. Frozen
+    weights do not count: with LoRA, --pure-dtype holds the frozen base in `dtype` and peft keeps the
+    adapters it trains in float32, so every step counts and the base takes half the memory."""
     below = total = 0
-    for p in model.parameters():
-        if p.dim() == 2:
-            w = p.detach().abs().float()
-            half_ulp = torch.finfo(p.dtype).eps / 2 * torch.exp2(torch.floor(torch.log2(w)))  # eps = ulp of 1.0
-            below += (lr < half_ulp).sum().item()
-            total += w.numel()
+    low_precision = [p for p in model.parameters() if p.requires_grad and p.dim() == 2 and p.dtype != torch.float32]
+    for p in low_precision:
+        w = p.detach().abs().float()
+        half_ulp = torch.finfo(p.dtype).eps / 2 * torch.exp2(torch.floor(torch.log2(w)))  # eps = ulp of 1.0
+        below += (lr < half_ulp).sum().item()
+        total += w.numel()
+    if not low_precision:
+        return (f"note: --pure-dtype: the frozen weights are held in {dtype}; the weights trained (and their AdamW "
+                f"state) are float32, so every step counts.")
     return (f"warning: --pure-dtype: at --lr {lr:g} an AdamW step (about lr per weight) is below half a {dtype} ulp for "
-            f"{100 * below / max(total, 1):.1f} % of the matrix weights, which then do not change at all. Without "
+            f"{100 * below / max(total, 1):.1f} % of the trained matrix weights, which then do not change at all. Without "
             f"--pure-dtype the weights and AdamW state stay float32 and every step counts.")
 
 
-# ---------------------------------------------------------------- the trained policy: full weights or LoRA adapters
 def load_policy(model_path: str, checkpoint, args):
     """The policy a script trains, from --model or from a checkpoint to resume, as the script's flags say:
     --dtype and --pure-dtype (above), --gradient-checkpointing (activations recomputed in the backward pass

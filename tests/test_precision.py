@@ -65,7 +65,7 @@ def test_the_pure_dtype_warning_measures_the_share_of_weights_a_step_cannot_move
     torch.manual_seed(0)
     layer = torch.nn.Linear(1000, 1000, bias=False).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight, std=0.02)
-    assert "98.1 % of the matrix weights" in pure_dtype_warning(layer, 1e-6, "bfloat16")
+    assert "98.1 % of the trained matrix weights" in pure_dtype_warning(layer, 1e-6, "bfloat16")
     # and what it predicts is what an AdamW step does: 10 steps at lr 1e-6 move about 2 % of the weights
     w0 = layer.weight.detach().clone()
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-6, weight_decay=0.0)
@@ -74,6 +74,20 @@ def test_the_pure_dtype_warning_measures_the_share_of_weights_a_step_cannot_move
         optimizer.step()
         optimizer.zero_grad()
     assert (layer.weight != w0).float().mean().item() == pytest.approx(0.019, abs=0.01)
+
+
+def test_lora_with_pure_dtype_holds_the_frozen_base_in_bf16_and_trains_float32_adapters():
+    """The memory-saving LoRA set-up: the base at 2 bytes a weight, the adapters (peft's default) float32, so the
+    warning about steps rounding away does not apply and says so."""
+    from types import SimpleNamespace
+
+    from common.models import load_policy
+
+    flags = SimpleNamespace(dtype="bfloat16", pure_dtype=True, trust_remote_code=False, gradient_checkpointing=False,
+                            lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
+    policy = load_policy(EMBEDDED, None, flags)
+    assert {(p.dtype, p.requires_grad) for p in policy.parameters()} == {(torch.bfloat16, False), (torch.float32, True)}
+    assert pure_dtype_warning(policy, 1e-6, "bfloat16").startswith("note: --pure-dtype: the frozen weights are held in bfloat16")
 
 
 def test_sampler_and_training_forward_agree_under_bf16(tokenizer):

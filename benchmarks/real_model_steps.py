@@ -55,7 +55,7 @@ def main(args: Args) -> None:
     path = resolve_model("smollm2-135m-instruct", "gsm8k")
     tokenizer = load_tokenizer(path)
     policy = load_model(path, args.dtype).to(args.device)
-    ref = load_reference(path, args.dtype).to(args.device)
+    ref = load_reference(path, grpo.Args(dtype=args.dtype)).to(args.device)  # loaded as the policy is
     eos = eos_token_ids(policy, tokenizer)
     task = load_task("gsm8k", f"{args.data_dir}/train.jsonl", f"{args.data_dir}/test.jsonl")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)

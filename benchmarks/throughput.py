@@ -98,6 +98,8 @@ class Args:
     """measured steps per child"""
     arms: list[str] = field(default_factory=lambda: ["grpo", "trl", "async_K1", "async_K2"])
     output_dir: str = "runs/bench"
+    name: str | None = None
+    """compare / real: the results file, benchmarks/results/<name>.md (default: compare, compare_real)"""
     real_prompts: int = 4
     real_generations: int = 4
     real_max_new_tokens: int = 64
@@ -207,11 +209,15 @@ def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool 
     return [{**r, "rss_mb": rss} for r in json.loads((run_dir / "steps.json").read_text())]
 
 
+SPLIT = ["--learner-threads", str(max(1, (os.cpu_count() or 2) // 2)), "--generator-threads", str(max(1, (os.cpu_count() or 2) // 2))]
 ARMS = {  # (run_dir, steps, work) -> per-step rows
     "grpo": lambda d, n, w: postrl_child("grpo.py", d, n, [], w),
     "trl": lambda d, n, w: trl_child(d, n, w),
     "async_K1": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"], w),
     "async_K2": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"], w),
+    # the cores split between the two threads (each thread has its own intra-op pool) instead of both using all
+    "async_K1_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *SPLIT], w),
+    "async_K2_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *SPLIT], w),
     "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),
     "trl_lora": lambda d, n, w: trl_child(d, n, w, lora=True),
 }
@@ -251,8 +257,9 @@ def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> No
                 steps = ARMS[arm](Path(tmp) / "run", args.warmup + args.steps, work)[args.warmup:]
             results[arm].append(summarise(steps))
             print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.3g} samples/s", flush=True)
-    command = f"python benchmarks/throughput.py{' --mode real' if name != 'compare' else ''} --rounds {args.rounds} " \
-              f"--warmup {args.warmup} --steps {args.steps}"
+    name = args.name or name
+    command = f"python benchmarks/throughput.py{' --mode real' if work.model != 'embedded' else ''} --rounds {args.rounds} " \
+              f"--warmup {args.warmup} --steps {args.steps}" + (f" --arms {' '.join(args.arms)} --name {name}" if args.name else "")
     lines = [f"`{command}`: {work.model}, {work.prompts} prompts x {work.generations} completions, <= {work.max_new} new "
              f"tokens, {work.dtype} on {work.device}; median [min, max] over {args.rounds} rounds.", "",
              "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | GPU max allocated (MB) "

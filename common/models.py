@@ -177,17 +177,31 @@ def load_policy(model_path: str, checkpoint, args):
     is_adapter = checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file()
     model = load_model(str(model_path if is_adapter or checkpoint is None else checkpoint), args.dtype,
                        args.trust_remote_code, args.pure_dtype)
+    disable_dropout(model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.lora_r == 0:
-        return model
-    from peft import LoraConfig, PeftModel, get_peft_model
+    if args.lora_r > 0:
+        from peft import LoraConfig, PeftModel, get_peft_model
 
-    if is_adapter:
-        return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
-    targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
-    return get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                            target_modules=targets, task_type="CAUSAL_LM"))
+        if is_adapter:
+            model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+        else:
+            targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                                     target_modules=targets, task_type="CAUSAL_LM"))
+    # training mode (from_pretrained returns eval mode): transformers checkpoints activations only in training
+    # mode, and --lora-dropout acts only there; sampling switches to eval mode and back (common/rollout.py)
+    return model.train()
+
+
+def disable_dropout(model) -> None:
+    """The model's own dropout off, as TRL does for RL: sampling and the training forward then compute the same
+    distribution, so the first pass's ratio is exactly 1 (LoRA's --lora-dropout, added after, is the user's)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # transformers' attention modules
+            module.attention_dropout = 0.0
 
 
 class AdapterDisabled:

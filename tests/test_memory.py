@@ -67,6 +67,47 @@ def test_gradient_checkpointing_takes_the_same_step(tokenizer):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
 
+def saved_activation_bytes(policy, batch) -> int:
+    """Bytes autograd keeps for the backward pass of one training forward (the activations)."""
+    from common.rollout import token_logprobs
+
+    saved = []
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    return sum(saved)
+
+
+def test_gradient_checkpointing_keeps_fewer_activations_in_the_state_the_scripts_train_in(tokenizer):
+    """After a rollout (which samples in eval mode), the policy is back in training mode, where transformers
+    checkpoints; its own dropout is off, so the two modes compute the same log-probs."""
+    task = load_task("reverse")
+    prompts = [p for p in task.train["prompt"][:8] for _ in range(4)]
+    kept = {}
+    for checkpointing in (False, True):
+        policy = load_policy(EMBEDDED, None, grpo.Args(gradient_checkpointing=checkpointing))
+        batch = rollout(policy, tokenizer, prompts, [(0, i) for i in range(32)], 8, 1.0, [tokenizer.eos_token_id], "cpu")
+        assert policy.training
+        kept[checkpointing] = saved_activation_bytes(policy, batch)
+    assert kept[True] < 0.5 * kept[False], kept
+
+
+def test_the_policy_trains_without_dropout():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, attention_dropout=0.5))
+    from common.models import disable_dropout
+
+    disable_dropout(model)
+    assert all(m.attention_dropout == 0.0 for m in model.modules() if hasattr(m, "attention_dropout"))
+
+
 # ---------------------------------------------------------------- LoRA
 LORA = dict(lora_r=4, lora_alpha=8.0, lr=5e-3)
 

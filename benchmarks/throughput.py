@@ -99,7 +99,9 @@ class Args:
     arms: list[str] = field(default_factory=lambda: ["grpo", "trl", "async_K1", "async_K2"])
     output_dir: str = "runs/bench"
     name: str | None = None
-    """compare / real: the results file, benchmarks/results/<name>.md (default: compare, compare_real)"""
+    """compare / real: the results file, benchmarks/results/<name>.md (default: compare, compare_real); memory: memory"""
+    memory_arms: list[str] | None = None
+    """memory: only these options (labels as in the table, e.g. 'float32 + gradient checkpointing'; default: all)"""
     real_prompts: int = 4
     real_generations: int = 4
     real_max_new_tokens: int = 64
@@ -287,7 +289,9 @@ def memory(args: Args) -> None:
 
     work = real_work(args)
     params = load_model(resolve_model(work.model, "gsm8k")).num_parameters()
-    arms = memory_arms(work.dtype)
+    arms = {k: v for k, v in memory_arms(work.dtype).items() if args.memory_arms is None or k in args.memory_arms}
+    if args.memory_arms and len(arms) != len(args.memory_arms):
+        raise SystemExit(f"--memory-arms: unknown option(s); known: {list(memory_arms(work.dtype))}")
     results = {arm: [] for arm in arms}
     for i in range(args.rounds):
         for arm, (script, flags) in arms.items():
@@ -298,7 +302,8 @@ def memory(args: Args) -> None:
             results[arm].append(summarise(rows))
             print(f"round {i} {arm}: {results[arm][-1]['rss_mb']:.0f} MB, {results[arm][-1]['samples_per_s']:.3g} samples/s",
                   flush=True)
-    lines = [f"`python benchmarks/throughput.py --mode memory --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}`: "
+    only = (" --memory-arms " + " ".join(f"'{a}'" for a in args.memory_arms) + f" --name {args.name}") if args.memory_arms else ""
+    lines = [f"`python benchmarks/throughput.py --mode memory --rounds {args.rounds} --warmup {args.warmup} --steps {args.steps}{only}`: "
              f"{work.model} ({params / 1e6:.1f}M parameters), {work.prompts} prompts x {work.generations} completions, "
              f"<= {work.max_new} new tokens, beta {work.beta} (a reference model, or LoRA's adapters switched off), {work.device}; "
              f"median [min, max] over {args.rounds} rounds.", "",
@@ -311,7 +316,7 @@ def memory(args: Args) -> None:
         lines.append(f"| {arm}{note} | {med(rss, '.0f')} | {statistics.median(rss) * 2**20 / params:.1f} | {gpu} | "
                      f"{med([x['samples_per_s'] for x in r])} | {med([x['train_s'] for x in r])} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name or 'memory'}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

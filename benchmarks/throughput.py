@@ -141,7 +141,7 @@ from trl import GRPOConfig, GRPOTrainer
 from common.models import load_tokenizer, resolve_model
 from common.tasks import load_task
 
-out, steps, w, lora = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5] == "1"
+out, steps, w, lora, checkpointing = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5] == "1", sys.argv[6] == "1"
 prompts, G = w["prompts"], w["generations"]
 torch.manual_seed(0)
 if w["model"] == "embedded":
@@ -168,6 +168,7 @@ config = GRPOConfig(
     lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=w["beta"], loss_type="grpo", scale_rewards="group",
     num_iterations=1, max_steps=steps, logging_steps=100000, save_strategy="no", report_to="none",
     use_cpu=w["device"] == "cpu", bf16=w["dtype"] == "bfloat16", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    gradient_checkpointing=checkpointing,  # TRL's default is True; set explicitly so that the arms match postrl's
 )
 trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train, processing_class=tokenizer,
                       peft_config=peft_config)
@@ -202,12 +203,12 @@ json.dump(timings, open(out + "/steps.json", "w"))
 '''
 
 
-def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool = False) -> list[dict]:
+def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool = False, checkpointing: bool = False) -> list[dict]:
     from dataclasses import asdict
 
     run_dir.mkdir(parents=True, exist_ok=True)
     _, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), json.dumps(asdict(work)),
-                        "1" if lora else "0"])
+                        "1" if lora else "0", "1" if checkpointing else "0"])
     return [{**r, "rss_mb": rss} for r in json.loads((run_dir / "steps.json").read_text())]
 
 
@@ -222,6 +223,8 @@ ARMS = {  # (run_dir, steps, work) -> per-step rows
     "async_K2_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *SPLIT], w),
     "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),
     "trl_lora": lambda d, n, w: trl_child(d, n, w, lora=True),
+    "grpo_gc": lambda d, n, w: postrl_child("grpo.py", d, n, ["--gradient-checkpointing"], w),
+    "trl_gc": lambda d, n, w: trl_child(d, n, w, checkpointing=True),
 }
 def memory_arms(dtype: str) -> dict[str, tuple[str, list[str]]]:
     """label: (script, flags): the options one at a time, at --real-dtype, and the other precision."""
@@ -273,7 +276,7 @@ def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> No
         lines.append(f"| {arm} | {med([x['samples_per_s'] for x in r])} | {med([x['tokens_per_s'] for x in r])} | "
                      f"{med([x['gen_s'] for x in r])} | {med([x['train_s'] for x in r])} | {med([x['rss_mb'] for x in r], '.0f')} | "
                      f"{gpu} | {med(ratio, '.2f') if ratio else '–'} |")
-    for ours, theirs in (("grpo", "trl"), ("grpo_lora", "trl_lora")):
+    for ours, theirs in (("grpo", "trl"), ("grpo_lora", "trl_lora"), ("grpo_gc", "trl_gc")):
         if ours in results and theirs in results:
             ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results[ours], results[theirs])]
             memory = [a["rss_mb"] / b["rss_mb"] for a, b in zip(results[ours], results[theirs])]

@@ -17,7 +17,9 @@ Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -52,8 +54,6 @@ def encode_prompts(tokenizer, prompts: list, device) -> tuple[torch.Tensor, torc
     """Left-padded prompt ids and mask; chat models get their chat template, and a prompt given as chat
     messages ([{"role": ..., "content": ...}, ...]) is rendered by it. Each distinct prompt is tokenized
     once (a group repeats its prompt G times)."""
-    import json
-
     keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
     position = {k: i for i, k in enumerate(dict.fromkeys(keys))}
     unique = list({k: p for k, p in zip(keys, prompts)}.values())
@@ -228,10 +228,13 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs * mask, finished, texts)
 
 
+def _map_rollout(batch: Rollout, fn) -> Rollout:
+    """A rollout whose every field is fn(field value)."""
+    return Rollout(**{f.name: fn(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
+
+
 def select_rows(batch: Rollout, rows: list[int]) -> Rollout:
     """The given rows of a rollout, in that order."""
-    import dataclasses
-
     index = torch.tensor(rows, dtype=torch.long, device=batch.completion_ids.device)
 
     def pick(value):
@@ -239,16 +242,13 @@ def select_rows(batch: Rollout, rows: list[int]) -> Rollout:
             return value
         return [value[i] for i in rows] if isinstance(value, list) else value[index]
 
-    return Rollout(**{f.name: pick(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
+    return _map_rollout(batch, pick)
 
 
 def rollout_to(batch: Rollout, device) -> Rollout:
     """The rollout's tensors on `device` (a generator on its own device hands its batch to the learner; the
     copy runs in the generator's thread, so the learner never waits for it; same device: no copy)."""
-    import dataclasses
-
-    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    return Rollout(**{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(Rollout)})
+    return _map_rollout(batch, lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
 
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:

@@ -14,7 +14,7 @@ import ppo
 from common.logging import read_metrics
 from common.losses import group_advantages
 from common.models import load_model, load_policy, load_tokenizer, resolve_model
-from common.rollout import rollout
+from common.rollout import rollout, token_logprobs
 from common.tasks import load_task
 
 EMBEDDED = resolve_model("embedded", "reverse")
@@ -69,8 +69,6 @@ def test_gradient_checkpointing_takes_the_same_step(tokenizer):
 
 def saved_activation_bytes(policy, batch) -> int:
     """Bytes autograd keeps for the backward pass of one training forward (the activations)."""
-    from common.rollout import token_logprobs
-
     saved = []
 
     def pack(t):
@@ -100,10 +98,10 @@ def test_gradient_checkpointing_keeps_fewer_activations_in_the_state_the_scripts
 def test_the_policy_trains_without_dropout():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, attention_dropout=0.5))
     from common.models import disable_dropout
 
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, attention_dropout=0.5))
     disable_dropout(model)
     assert all(m.attention_dropout == 0.0 for m in model.modules() if hasattr(m, "attention_dropout"))
 

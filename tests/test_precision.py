@@ -79,13 +79,9 @@ def test_the_pure_dtype_warning_measures_the_share_of_weights_a_step_cannot_move
 def test_lora_with_pure_dtype_holds_the_frozen_base_in_bf16_and_trains_float32_adapters():
     """The memory-saving LoRA set-up: the base at 2 bytes a weight, the adapters (peft's default) float32, so the
     warning about steps rounding away does not apply and says so."""
-    from types import SimpleNamespace
-
     from common.models import load_policy
 
-    flags = SimpleNamespace(dtype="bfloat16", pure_dtype=True, trust_remote_code=False, gradient_checkpointing=False,
-                            lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules="all-linear")
-    policy = load_policy(EMBEDDED, None, flags)
+    policy = load_policy(EMBEDDED, None, grpo.Args(dtype="bfloat16", pure_dtype=True, lora_r=4, lora_alpha=8.0))
     assert {(p.dtype, p.requires_grad) for p in policy.parameters()} == {(torch.bfloat16, False), (torch.float32, True)}
     assert pure_dtype_warning(policy, 1e-6, "bfloat16").startswith("note: --pure-dtype: the frozen weights are held in bfloat16")
 

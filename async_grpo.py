@@ -299,8 +299,9 @@ def snapshot(model) -> dict[str, torch.Tensor]:
     """A private copy of the trained weights (all of them, or a LoRA policy's adapters): what the generator
     loads can never be half-updated."""
     state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the copies are complete before another thread's stream reads them
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    if device.type == "cuda":  # the copies are complete before another thread's stream reads them; the learner's
+        torch.cuda.current_stream(device).synchronize()  # stream only: the generator's sampling is not waited for
     return state
 
 

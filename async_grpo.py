@@ -153,9 +153,8 @@ class Args:
     generator_device: str | None = None
     """device the generation thread samples on (e.g. cuda:1 beside a learner on cuda:0; default: the learner's)"""
     generator_threads: int | None = None
-    """intra-op CPU threads of the generation thread (default: 1 when it samples on a CPU beside a training learner,
-    where a second pool of all cores slows the learner more than it speeds sampling (benchmarks/results/compare.md);
-    torch's at K = 0, where the learner waits, and on a GPU)"""
+    """intra-op CPU threads of the generation thread (default: 1 when it samples on a CPU: a second OpenMP pool of
+    all cores slows both threads, even at K = 0 where they take turns (benchmarks/results/compare.md); torch's on a GPU)"""
     learner_threads: int | None = None
     """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm
@@ -620,8 +619,7 @@ def main(args: Args) -> None:
     else:
         if args.learner_threads:
             torch.set_num_threads(args.learner_threads)
-        overlaps = args.max_staleness > 0 or args.drop_stale  # at K = 0 the learner waits for every batch: no overlap
-        generator_threads = args.generator_threads or (1 if generator_device.type == "cpu" and overlaps else None)
+        generator_threads = args.generator_threads or (1 if generator_device.type == "cpu" else None)
         generator = GeneratorThread(sampler, WeightBoard(snapshot(policy), version), max(start, 1), args, make_batch,
                                     generator_threads)
         generator.start()

@@ -230,6 +230,7 @@ ARMS = {  # (run_dir, steps, work) -> per-step rows
     "async_K1_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *ALL], w),
     "async_K2_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *ALL], w),
     "async_K0": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "0"], w),
+    "async_K0_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "0", *ALL], w),
     "async_K1_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *SPLIT], w),
     "async_K2_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *SPLIT], w),
     "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),

@@ -154,7 +154,8 @@ class Args:
     """device the generation thread samples on (e.g. cuda:1 beside a learner on cuda:0; default: the learner's)"""
     generator_threads: int | None = None
     """intra-op CPU threads of the generation thread (default: 1 when it samples on a CPU: a second OpenMP pool of
-    all cores slows both threads, even at K = 0 where they take turns (benchmarks/results/compare.md); torch's on a GPU)"""
+    all cores slows both threads, even at K = 0 where they take turns (benchmarks/results/compare_k0_pools.md);
+    torch's on a GPU)"""
     learner_threads: int | None = None
     """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm

@@ -18,8 +18,8 @@ generation (sampling + scoring) and training seconds, samples/s and generated to
 measured steps, the child's peak RSS and its wall time from start to exit (start-up, the warm-up and
 measured steps, the evaluations at both ends: the run end to end). Medians and spreads over rounds; ratios
 are pair by pair (round i of one arm against round i of the other). Writes benchmarks/results/compare.md.
-Other arms (--arms): async_K0; async_K1_all / async_K2_all, the generation thread with every core
-(--generator-threads <cores>; by default it samples with one on a CPU); async_K1_split / async_K2_split, the
+Other arms (--arms): async_K0; async_K0_all / async_K1_all / async_K2_all, the generation thread with every
+core (--generator-threads <cores>; by default it samples with one on a CPU); async_K1_split / async_K2_split, the
 cores split evenly between the threads; grpo_gc / trl_gc, grpo_lora / trl_lora (the real model).
 
 real: compare's protocol on a real model: SmolLM2-135M-Instruct (`--model smollm2-135m-instruct`) on the

@@ -299,9 +299,9 @@ def snapshot(model) -> dict[str, torch.Tensor]:
     """A private copy of the trained weights (all of them, or a LoRA policy's adapters): what the generator
     loads can never be half-updated."""
     state = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
-    device = next(iter(state.values())).device if state else torch.device("cpu")
-    if device.type == "cuda":  # the copies are complete before another thread's stream reads them; the learner's
-        torch.cuda.current_stream(device).synchronize()  # stream only: the generator's sampling is not waited for
+    first = next(iter(state.values()), None)
+    if first is not None and first.is_cuda:  # the copies are complete before another thread's stream reads them;
+        torch.cuda.current_stream(first.device).synchronize()  # the learner's stream only, not the generator's sampling
     return state
 
 

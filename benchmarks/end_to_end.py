@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tyro
+from throughput import RESULTS, run_child  # (importing it puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from common.logging import read_metrics  # noqa: E402
+from common.logging import read_metrics
 
 
 @dataclass
@@ -40,12 +37,7 @@ class Args:
 
 def timed_run(argv: list[str], run_dir: Path) -> tuple[float, float]:
     """Wall seconds of one run, and its final eval/pass@1."""
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, *argv, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name],
-                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed:\n{done.stderr[-2000:]}")
+    wall, _ = run_child([sys.executable, *argv, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name])
     return wall, [r for r in read_metrics(run_dir) if "eval/pass@1" in r][-1]["eval/pass@1"]
 
 
@@ -67,7 +59,7 @@ def main(args: Args) -> None:
         lines.append(f"| {label} | {statistics.median(walls):.1f} [{min(walls):.1f}, {max(walls):.1f}] | "
                      f"{statistics.median(ratio):.2f} [{min(ratio):.2f}, {max(ratio):.2f}] | "
                      f"{statistics.median(p for _, p in r):.3f} |")
-    (ROOT / "benchmarks" / "results" / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

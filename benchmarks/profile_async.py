@@ -31,12 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+from throughput import NO_EVAL_NO_SAVE, RESULTS, ROOT  # (importing it puts the repository root on sys.path)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from common.logging import read_metrics  # noqa: E402
-
-QUIET = ["--eval-every", "0", "--eval-prompts", "8", "--eval-samples", "1", "--eval-k", "1", "--save-every", "100000"]
+from common.logging import read_metrics
 LEARNER = ("optimise (", "snapshot (")  # frames that mark a sample as the learner's step
 SAMPLING = ("generate (async_grpo", "sample_groups (grpo")  # ... as sampling
 
@@ -73,7 +70,7 @@ def profile(argv: list[str], env: dict, steps: int, rate: int, gil: bool, tmp: P
     run = tmp / ("gil" if gil else "active")
     raw = tmp / f"{run.name}.txt"
     cmd = ["py-spy", "record", "--nonblocking", "--rate", str(rate), "--format", "raw", "--output", str(raw), *(["--gil"] if gil else []),
-           "--", sys.executable, *argv, "--steps", str(steps), *QUIET, "--output-dir", str(tmp), "--run-name", run.name]
+           "--", sys.executable, *argv, "--steps", str(steps), *NO_EVAL_NO_SAVE, "--output-dir", str(tmp), "--run-name", run.name]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env})
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -100,7 +97,7 @@ def main(args: Args) -> None:
         lines.append(f"| {label} | {t['step']:.3f} | {t['sampling']:.3f} | {t['training']:.3f} | {gil['learner']:.3f} | "
                      f"{active['learner']:.3f} | {gil['sampling']:.3f} | {active['sampling']:.3f} | {held:.2f} |")
         print(lines[-1], flush=True)
-    out = ROOT / "benchmarks" / "results" / "profile_async.md"
+    out = RESULTS / "profile_async.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

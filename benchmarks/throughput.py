@@ -116,13 +116,15 @@ class Args:
 
 # ---------------------------------------------------------------- children
 def run_child(argv: list[str], env: dict | None = None) -> tuple[float, float]:
-    """Run a child process; its wall seconds (start-up to exit) and peak RSS in MB."""
+    """Run a child process; its wall seconds (start-up to exit) and peak RSS in MB. Its stderr goes to a file, not a
+    pipe: a long run's progress bar would fill a pipe nobody reads until the child exits, and block it."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
-    _, status, usage = os.wait4(proc.pid, 0)
-    err = proc.stderr.read().decode(errors="replace")
-    if status != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{err[-3000:]}")
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        if status != 0:
+            err.seek(0)
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{err.read().decode(errors='replace')[-3000:]}")
     return time.perf_counter() - t0, usage.ru_maxrss / 1024
 
 
@@ -220,19 +222,19 @@ def trl_child(run_dir: Path, steps: int, work: Work = EMBEDDED_WORK, lora: bool 
 
 ALL = ["--generator-threads", str(os.cpu_count() or 2)]
 SPLIT = ["--learner-threads", str(max(1, (os.cpu_count() or 2) // 2)), "--generator-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+
+
+def async_arm(K: int, layout: list[str]):
+    return lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", str(K), *layout], w)
+
+
 ARMS = {  # (run_dir, steps, work) -> per-step rows
     "grpo": lambda d, n, w: postrl_child("grpo.py", d, n, [], w),
     "trl": lambda d, n, w: trl_child(d, n, w),
-    "async_K1": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1"], w),
-    "async_K2": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2"], w),
-    # async_grpo.py samples with one intra-op thread on a CPU by default; these arms lay the threads out otherwise:
-    # the generator with all cores (the default before), or the cores split evenly between the two threads
-    "async_K1_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *ALL], w),
-    "async_K2_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *ALL], w),
-    "async_K0": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "0"], w),
-    "async_K0_all": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "0", *ALL], w),
-    "async_K1_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "1", *SPLIT], w),
-    "async_K2_split": lambda d, n, w: postrl_child("async_grpo.py", d, n, ["--max-staleness", "2", *SPLIT], w),
+    # async_K<K>: the default thread layout (on a CPU the generator samples with one intra-op thread); _all: the
+    # generator with every core (the default before); _split: the cores split evenly between the two threads
+    **{f"async_K{K}{name}": async_arm(K, layout) for K in (0, 1, 2)
+       for name, layout in (("", []), ("_all", ALL), ("_split", SPLIT))},
     "grpo_lora": lambda d, n, w: postrl_child("grpo.py", d, n, LORA_FLAGS, w),
     "trl_lora": lambda d, n, w: trl_child(d, n, w, lora=True),
     "grpo_gc": lambda d, n, w: postrl_child("grpo.py", d, n, ["--gradient-checkpointing"], w),

@@ -202,17 +202,22 @@ def test_published_weights_never_tear_and_behaviour_logprobs_match_their_version
             assert (before - logps).abs().max() > 1e-3
 
 
-def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
-    K, made = 1, []
-    args = loss_args(max_staleness=K, queue_size=8)
-
-    def make_batch(model, index, version):  # instant: left alone, the generator would run far ahead
+def instant_generator(args, made: list):
+    """A started generation thread whose batches cost nothing (left alone it would run far ahead: only pacing and
+    --steps hold it back); made records each batch's (index, version)."""
+    def make_batch(model, index, version):
         made.append((index, version))
         return async_grpo.Batch(index, version, None, torch.zeros(1), 0.0)
 
     board = async_grpo.WeightBoard({}, 0)
     generator = async_grpo.GeneratorThread(torch.nn.Linear(1, 1), board, 1, args, make_batch, None)
     generator.start()
+    return board, generator
+
+
+def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
+    K, made = 1, []
+    board, generator = instant_generator(loss_args(max_staleness=K, queue_size=8), made)
     staleness, waits = [], []
     for step in range(1, 9):
         batch = generator.get()
@@ -229,20 +234,12 @@ def test_pacing_keeps_a_fast_generator_within_k_versions_of_a_slow_learner():
 
 def test_the_paced_generator_samples_exactly_the_batches_trained_on_and_then_stops():
     made = []
-    args = loss_args(max_staleness=2, queue_size=8, steps=5)
-
-    def make_batch(model, index, version):  # instant: nothing but --steps stops it at 5 batches
-        made.append(index)
-        return async_grpo.Batch(index, version, None, torch.zeros(1), 0.0)
-
-    board = async_grpo.WeightBoard({}, 0)
-    generator = async_grpo.GeneratorThread(torch.nn.Linear(1, 1), board, 1, args, make_batch, None)
-    generator.start()
+    board, generator = instant_generator(loss_args(max_staleness=2, queue_size=8, steps=5), made)
     for step in range(1, 6):
         assert generator.get().index == step
         board.publish({}, step)
     generator.thread.join(timeout=2)
-    assert not generator.thread.is_alive() and made == [1, 2, 3, 4, 5]  # no batch sampled for a step that never comes
+    assert not generator.thread.is_alive() and [index for index, _ in made] == [1, 2, 3, 4, 5]  # no batch sampled for a step that never comes
 
 
 def test_on_a_cpu_the_generator_samples_with_one_intra_op_thread_and_the_learner_keeps_all(tmp_path, monkeypatch):

@@ -7,13 +7,14 @@ import pytest
 import torch
 from accelerate import Accelerator
 from conftest import latest_weights, small_args, state_dicts_equal, without_timing
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import async_grpo
 import grpo
 import ppo
 from common.logging import read_metrics
 from common.losses import group_advantages
-from common.models import load_model, load_policy, load_tokenizer, resolve_model
+from common.models import disable_dropout, load_model, load_policy, load_tokenizer, resolve_model
 from common.rollout import rollout, token_logprobs
 from common.tasks import load_task
 
@@ -96,10 +97,6 @@ def test_gradient_checkpointing_keeps_fewer_activations_in_the_state_the_scripts
 
 
 def test_the_policy_trains_without_dropout():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from common.models import disable_dropout
-
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, attention_dropout=0.5))
     disable_dropout(model)

@@ -58,11 +58,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
-from common.cli import check, run
-from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
+from common.cli import ConfigError, check, run
+from common.logging import MetricsWriter, device_memory, print_summary, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
-                           trainable)
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
+                           resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import Rollout, evaluate, rollout, rollout_to, token_logprobs
 from common.tasks import load_task
@@ -396,6 +396,8 @@ class GeneratorThread:
     def get(self, step: int | None = None) -> Batch:
         """The next batch (whichever step asks); re-raises a generator failure within a tenth of a second."""
         while True:
+            if isinstance(self.error, ConfigError):  # a misbehaving reward function, say: its one-line error as it is
+                raise self.error
             if self.error is not None:
                 raise RuntimeError("the generation thread failed (its traceback is above)") from self.error
             try:
@@ -505,7 +507,8 @@ def behaviour_diagnostics(old_logps, behav_logps, mask) -> dict[str, float]:
     }
 
 
-def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args) -> dict[str, float]:
+def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args,
+             step: int) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
     pi_old is the learner's policy before the update: the first pass's log-probs. m2po needs the whole
     batch's second moment at the current weights before each pass's first gradient, so it gets them
@@ -540,7 +543,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
                 entropy += (token_entropy.detach() * mask[rows]).sum()
                 if ref is not None:
                     with torch.no_grad():
-                        ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature)
+                        # pi_ref scored under the truncation pi_theta is: at equal weights the KL is 0
+                        ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature, False, args.top_k, args.top_p)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
             turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps.get(j), advantages[rows],
@@ -548,9 +552,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
                                           keep[rows] if keep is not None else None, turn_ids, batch.max_turns)
             accelerator.backward(loss)
             stats.append({**step_stats, "loss": loss.detach()})
-        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad()
+        pass_loss = sum(s["loss"] for s in stats[-len(chunks):])  # this pass's loss: no NaN reaches the weights
+        grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
 
     token_passes = max(num_tokens.item(), 1) * args.num_iterations
     metrics = {
@@ -652,7 +655,7 @@ def main(args: Args) -> None:
             advantages = group_advantages(rewards, G, args.scale_rewards)
             # ---- 5. optimise, 6. publish the new weights (version step) to the generator
             t0 = time.perf_counter()
-            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, staleness > 0, args)
+            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, staleness > 0, args, step)
             train_s = time.perf_counter() - t0
             if step % args.sync_every == 0:  # emulated mode: every step (its --sync-every is 1)
                 generator.publish(snapshot(policy), step)
@@ -707,10 +710,7 @@ def main(args: Args) -> None:
     if args.export_dtype:  # a copy in the serving dtype; the checkpoints stay float32
         print(f"export: {export_model(run_dir, accelerator.unwrap_model(policy), tokenizer, args.export_dtype)}")
     rows = read_metrics(run_dir)
-    for row in rows:
-        if row["step"] in (0, args.steps):
-            print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
-                  f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+    print_summary(run_dir, args.steps, args.eval_k)
     trained = [r for r in rows if "throughput/samples_per_s" in r]
     if trained:
         samples = sum(args.prompts_per_step * G for _ in trained)

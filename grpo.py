@@ -43,10 +43,10 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
-                           trainable)
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
+                           resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import concat_rollouts, evaluate, rollout, select_rows, token_logprobs
 from common.tasks import load_task
@@ -238,46 +238,54 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
 
 def sample_groups(policy, tokenizer, task, accelerator, args: Args, step: int, eos_ids):
     """Steps 1-3 for this process's P prompts: draw prompts, roll out G completions each, score them. Step t's
-    draws depend only on (seed, t), so resume and sharding see the same prompts and noise. With
-    --dynamic-sampling (DAPO), groups whose G rewards are all equal (no group-relative signal) are dropped and
-    fresh prompts drawn for their places, round after round (every process takes the same rounds); after
-    --max-sampling-rounds the places still empty take all-equal groups drawn on the way, so that every
-    process trains on a full batch. Returns the batch, its rewards, successes and reward parts, and
-    (rounds, dropped groups) of this process."""
+    draws depend only on (seed, t), so resume and sharding see the same prompts and noise.
+
+    With --dynamic-sampling, DAPO's over-sample-and-filter (Yu et al. 2025, Algorithm 1): a group whose G rewards
+    are all equal has zero advantages, so it is set aside and fresh prompts are drawn, round after round, until every
+    process holds P groups whose rewards differ. Every process takes the same rounds. A round draws prompts not yet
+    drawn in this step (all that remain, if fewer than --prompts-per-step do); after --max-sampling-rounds, or when no
+    prompt is left, the places still empty take the all-equal groups set aside. Returns the batch, its rewards,
+    successes and reward parts, the rounds drawn and the all-equal groups left out (of this process)."""
     rank, world, G = accelerator.process_index, accelerator.num_processes, args.num_generations
     P, total = args.prompts_per_step // world, args.prompts_per_step
-    local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
-    kept, spare, used, dropped = [], [], np.array([], dtype=int), 0  # groups: (rollout, its rows, rewards, successes, parts)
-    for round_ in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
-        rng = np.random.default_rng([args.seed, step] if round_ == 0 else [args.seed, step, round_])
-        pool = np.setdiff1d(np.arange(len(task.train)), used)  # fresh prompts only
-        if len(pool) < total:
-            break
-        chosen = pool[rng.choice(len(pool), total, replace=False)] if round_ else rng.choice(len(task.train), total, replace=False)
+    with_signal, all_equal = [], []  # groups: (rollout, its rows, rewards, successes, reward parts)
+    used, rounds = np.array([], dtype=int), 0
+    while True:
+        # ---- draw prompts (round 0: the whole pool, grpo.py's draw; later rounds: those not drawn yet this step)
+        rng = np.random.default_rng([args.seed, step] if rounds == 0 else [args.seed, step, rounds])
+        pool = np.setdiff1d(np.arange(len(task.train)), used)
+        chosen = pool[rng.choice(len(pool), min(total, len(pool)), replace=False)]
         used = np.concatenate([used, chosen])
-        rows = task.train.select(chosen[local].tolist())
-        answers = [a for a in rows["answer"] for _ in range(G)]
-        keys = [(args.seed, step, round_ * total + i, g) for i in local for g in range(G)]  # round 0: (seed, step, i, g)
-        batch = rollout(accelerator.unwrap_model(policy), tokenizer, [p for p in rows["prompt"] for _ in range(G)], keys,
-                        args.max_new_tokens, args.temperature, eos_ids, accelerator.device, task.envs(answers),
-                        args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
-        parts = {}  # --reward functions' own values, logged as reward/<name>
-        rewards, successes = task.score(batch, answers, rows, parts)
+        local = [i for i in range(rank * P, (rank + 1) * P) if i < len(chosen)]  # this process's places in the draw
+        # ---- roll out G completions each, noise keys (seed, step, round * total + prompt, g), and score them
+        if local:
+            rows = task.train.select(chosen[local].tolist())
+            answers = [a for a in rows["answer"] for _ in range(G)]
+            keys = [(args.seed, step, rounds * total + i, g) for i in local for g in range(G)]
+            batch = rollout(accelerator.unwrap_model(policy), tokenizer, [p for p in rows["prompt"] for _ in range(G)], keys,
+                            args.max_new_tokens, args.temperature, eos_ids, accelerator.device, task.envs(answers),
+                            args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
+            parts = {}  # --reward functions' own values, logged as reward/<name>
+            rewards, successes = task.score(batch, answers, rows, parts)
+        rounds += 1
         if not args.dynamic_sampling:  # GRPO: one draw, every group
-            return batch, rewards, successes, parts, 1, 0
-        for g0 in range(0, P * G, G):  # DAPO: keep a group only if its rewards differ
+            return batch, rewards, successes, parts, rounds, 0
+        # ---- DAPO's filter: a group trains only if its rewards differ
+        for g0 in range(0, len(local) * G, G):
             group = (batch, list(range(g0, g0 + G)), rewards[g0 : g0 + G], successes[g0 : g0 + G],
                      {k: v[g0 : g0 + G] for k, v in parts.items()})
-            (spare if min(group[2]) == max(group[2]) else kept).append(group)
-        if accelerator.reduce(torch.tensor(float(len(kept) < P), device=accelerator.device), "sum").item() == 0:
+            (all_equal if min(group[2]) == max(group[2]) else with_signal).append(group)
+        short = accelerator.reduce(torch.tensor(float(len(with_signal) < P), device=accelerator.device), "sum").item()
+        if short == 0 or rounds == args.max_sampling_rounds or len(used) == len(task.train):
             break
-    dropped, kept = len(spare) - max(P - len(kept), 0), (kept + spare)[:P]  # at the cap all-equal groups fill the places left
+    kept = (with_signal + all_equal)[:P]  # places still empty take all-equal groups
+    left_out = len(all_equal) - max(P - len(with_signal), 0)
     batch = concat_rollouts([select_rows(b, rows) for b, rows, *_ in kept], tokenizer.pad_token_id)
     rewards, successes = [r for g in kept for r in g[2]], [x for g in kept for x in g[3]]
-    return batch, rewards, successes, {k: [x for g in kept for x in g[4][k]] for k in parts}, round_ + 1, max(dropped, 0)
+    return batch, rewards, successes, {k: [x for g in kept for x in g[4][k]] for k in kept[0][4]}, rounds, max(left_out, 0)
 
 
-def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args) -> dict[str, float]:
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args, step: int) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
     pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
     mask = batch.completion_mask
@@ -296,7 +304,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
                 entropy += (token_entropy.detach() * mask[rows]).sum()
                 if ref is not None:
                     with torch.no_grad():
-                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
+                        # pi_ref scored under the truncation pi_theta is: at equal weights the KL is 0
+                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature, False, args.top_k, args.top_p)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
             turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
@@ -305,9 +314,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
             with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
             stats.append({**step_stats, "loss": loss.detach()})
-        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad()
+        pass_loss = sum(s["loss"] for s in stats[-len(chunks):])  # this pass's loss: no NaN reaches the weights
+        grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
 
     def total(values) -> float:  # summed over micro-batches, passes and processes
         return accelerator.reduce(torch.as_tensor(sum(values), dtype=torch.float32), "sum").item()
@@ -343,6 +351,9 @@ def main(args: Args) -> None:
                      args.answer_column, args.reward, args.reward_weights, args.eval_fraction)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    check(not args.dynamic_sampling or args.prompts_per_step < len(task.train),
+          f"--dynamic-sampling needs more training prompts than --prompts-per-step ({args.prompts_per_step}): with "
+          f"{len(task.train)} no fresh prompt is left to replace a group it drops")
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
@@ -391,7 +402,7 @@ def main(args: Args) -> None:
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
         t0 = time.perf_counter()
-        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args)
+        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args, step)
         train_s = time.perf_counter() - t0
         # ---- 6. log
         lengths = accelerator.gather(batch.completion_mask.sum(-1).float())
@@ -440,10 +451,7 @@ def main(args: Args) -> None:
         print(f"run: {run_dir}")
         if args.export_dtype:  # a copy in the serving dtype; the checkpoints stay float32
             print(f"export: {export_model(run_dir, accelerator.unwrap_model(policy), tokenizer, args.export_dtype)}")
-        for row in read_metrics(run_dir):
-            if row["step"] in (0, args.steps):
-                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
-                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+        print_summary(run_dir, args.steps, args.eval_k)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,10 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
-from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
-                           trainable)
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
+                           resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, rollout, token_logprobs
 from common.tasks import load_task
@@ -271,7 +271,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     return loss, stats
 
 
-def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args) -> dict[str, float]:
+def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args, step: int) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
     pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
     mask = batch.completion_mask
@@ -290,7 +290,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
                 entropy += (token_entropy.detach() * mask[rows]).sum()
                 if ref is not None:
                     with torch.no_grad():
-                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature)
+                        # pi_ref scored under the truncation pi_theta is: at equal weights the KL is 0
+                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature, False, args.top_k, args.top_p)
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
             turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
             loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], mask[rows], args,
@@ -299,9 +300,8 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args)
             with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
             stats.append({**step_stats, "loss": loss.detach()})
-        grad_norms.append(accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad()
+        pass_loss = sum(s["loss"] for s in stats[-len(chunks):])  # this pass's loss: no NaN reaches the weights
+        grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
 
     def total(values) -> float:  # summed over micro-batches, passes and processes
         return accelerator.reduce(torch.as_tensor(sum(values), dtype=torch.float32), "sum").item()
@@ -356,7 +356,7 @@ def main(args: Args) -> None:
     policy, optimizer = accelerator.prepare(policy, optimizer)
     state = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
     start = state["step"] + 1
-    sigma_hat = state["extra"].get("sigma_hat", np.full(len(task.train), np.nan))  # NaN: never drawn
+    sigma_hat = state["extra"]["sigma_hat"].numpy() if checkpoint else np.full(len(task.train), np.nan)  # NaN: never drawn
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     P = args.prompts_per_step // world  # prompts of this process
     G = args.num_generations
@@ -409,7 +409,7 @@ def main(args: Args) -> None:
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
         t0 = time.perf_counter()
-        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args)
+        metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args, step)
         train_s = time.perf_counter() - t0
         # ---- 6. log
         lengths = accelerator.gather(batch.completion_mask.sum(-1).float())
@@ -447,7 +447,7 @@ def main(args: Args) -> None:
             weights = accelerator.get_state_dict(policy)  # under FSDP gathered from every process's shard
             if accelerator.is_main_process:
                 save_checkpoint(run_dir, step, accelerator.unwrap_model(policy), tokenizer, optimizer,
-                                extra={"sigma_hat": sigma_hat}, weights=weights)
+                                extra={"sigma_hat": torch.from_numpy(sigma_hat)}, weights=weights)
             accelerator.wait_for_everyone()
         if stopping:
             bar.close()
@@ -460,10 +460,7 @@ def main(args: Args) -> None:
         print(f"run: {run_dir}")
         if args.export_dtype:  # a copy in the serving dtype; the checkpoints stay float32
             print(f"export: {export_model(run_dir, accelerator.unwrap_model(policy), tokenizer, args.export_dtype)}")
-        for row in read_metrics(run_dir):
-            if row["step"] in (0, args.steps):
-                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
-                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+        print_summary(run_dir, args.steps, args.eval_k)
 
 
 if __name__ == "__main__":

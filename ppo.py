@@ -47,10 +47,10 @@ from torch import nn
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.logging import MetricsWriter, device_memory, progress_bar, read_metrics
+from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import kl_estimate, masked_mean, masked_whiten
-from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, pure_dtype_warning, resolve_model,
-                           trainable)
+from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
+                           resolve_model, trainable)
 from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout
 from common.tasks import load_task
 
@@ -318,9 +318,7 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
             loss, minibatch_stats = ppo_loss(logps, old_logps[rows], values, old_values[rows], advantages[rows],
                                              returns[rows], entropy, mask[rows], args, num_tokens)
             accelerator.backward(loss)  # DDP averages over processes; num_tokens is the per-process share
-            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad()
+            grad_norms.append(optimizer_step(optimizer, accelerator, model, args.max_grad_norm, loss, step))
             stats.append(minibatch_stats)
             epoch_kl, epoch_tokens = epoch_kl + minibatch_stats["approx_kl"], epoch_tokens + minibatch_stats["tokens"]
         epoch_kl = accelerator.reduce(torch.as_tensor(epoch_kl, dtype=torch.float32), "sum").item()
@@ -445,7 +443,8 @@ def main(args: Args) -> None:
             if ref is not None:
                 ref_logits, _ = completion_logits(ref, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                                   batch.completion_mask)
-                ref_logps, _ = logprobs_from_logits(ref_logits, batch.completion_ids, args.temperature)
+                ref_logps, _ = logprobs_from_logits(ref_logits, batch.completion_ids, args.temperature, top_k=args.top_k,
+                                                    top_p=args.top_p)  # the same truncation as pi_old's
             old_values = old_values * mask
             rewards = per_token_rewards(scores, old_logps, ref_logps, mask, kl_coef)
             if args.whiten_rewards:
@@ -508,10 +507,7 @@ def main(args: Args) -> None:
         print(f"run: {run_dir}")
         if args.export_dtype:  # a copy in the serving dtype; the checkpoints stay float32
             print(f"export: {export_model(run_dir, accelerator.unwrap_model(model).policy, tokenizer, args.export_dtype)}")
-        for row in read_metrics(run_dir):
-            if row["step"] in (0, args.steps):
-                print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}  eval/pass@{args.eval_k} "
-                      f"{row['eval/pass@k']:.3f}  eval/greedy {row['eval/greedy']:.3f}")
+        print_summary(run_dir, args.steps, args.eval_k)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ is complete; the older ones are deleted only after the new one is in place.
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
 import signal
@@ -28,10 +29,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, extra
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, state_dict=weights)
     tokenizer.save_pretrained(tmp)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng, "extra": extra or {}}, tmp / "state.pt")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(p for p in root.glob("step_*") if p.suffix != ".tmp")[:-keep]:
@@ -64,22 +62,53 @@ def find_checkpoint(path: str, accelerator=None) -> Path:
                           "holds the full weights, so start a new run from it with --model <checkpoint dir>")
     p = Path(path)
     if (p / "state.pt").is_file():
-        return p
-    found = sorted(c for c in (p / "checkpoints").glob("step_*") if c.suffix != ".tmp" and (c / "state.pt").is_file())
+        found = [p]
+    else:
+        found = sorted(c for c in (p / "checkpoints").glob("step_*") if c.suffix != ".tmp" and (c / "state.pt").is_file())
     if not found:
         raise ConfigError(f"--resume {path}: no checkpoint there (expected <run dir>/checkpoints/step_*/state.pt)")
+    read_state(found[-1], mmap=True)  # refused now, before any model is built, if it is not plain data
     return found[-1]
+
+
+def rng_state() -> dict:
+    """The Python, numpy and torch RNG states as tensors and plain values (what torch.load(weights_only=True) reads)."""
+    numpy = np.random.get_state(legacy=False)
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "numpy": {**numpy, "state": {"key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)),
+                                        "pos": numpy["state"]["pos"]}}}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def set_rng_state(rng: dict) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = rng["numpy"]
+    np.random.set_state({**numpy, "state": {"key": numpy["state"]["key"].numpy().astype(np.uint32), "pos": numpy["state"]["pos"]}})
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def read_state(checkpoint: Path, mmap: bool = False) -> dict:
+    """state.pt read with weights_only=True: tensors and plain values only. A pickle of anything else (which a shared
+    checkpoint could use to run code while it is unpickled) is refused, unexecuted."""
+    path = Path(checkpoint) / "state.pt"
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[-1][:160] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--resume {checkpoint}: {path} holds objects other than tensors and plain values, refused without "
+                          f"running them ({first}); a postrl checkpoint holds none") from None
 
 
 def load_state(checkpoint: Path, optimizer) -> dict:
     """Restore the optimizer and RNG states; returns the saved dict (step, extra)."""
-    state = torch.load(Path(checkpoint) / "state.pt", weights_only=False)
+    state = read_state(checkpoint)
     optimizer.load_state_dict(state["optimizer"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    set_rng_state(state["rng"])
     return state
 
 

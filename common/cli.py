@@ -10,15 +10,20 @@ class ConfigError(ValueError):
     """Bad user input (a flag, a file, a row of a file)."""
 
 
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is NaN or infinite: the run stopped before the optimiser step that would take it."""
+
+
 def check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
 
 
 def run(main, args) -> None:
-    """Call main(args); a ConfigError becomes `<script>: error: <message>` and exit status 2."""
+    """Call main(args); a ConfigError becomes `<script>: error: <message>` and exit status 2, a NonFiniteError the same
+    line and exit status 1."""
     try:
         main(args)
-    except ConfigError as e:
+    except (ConfigError, NonFiniteError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)

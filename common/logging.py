@@ -76,5 +76,13 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
+def print_summary(run_dir: str | Path, steps: int, k: int) -> None:
+    """The evaluation of the base policy (step 0) and of the last step, a line each (pass@k only when k > 1)."""
+    for row in read_metrics(run_dir):
+        if row["step"] in (0, steps):
+            pass_k = f"  eval/pass@{k} {row['eval/pass@k']:.3f}" if k > 1 else ""
+            print(f"step {row['step']:4d}  eval/pass@1 {row['eval/pass@1']:.3f}{pass_k}  eval/greedy {row['eval/greedy']:.3f}")
+
+
 def progress_bar(total: int, initial: int = 0, disable: bool = False, desc: str = "") -> tqdm:
     return tqdm(total=total, initial=initial, disable=disable, desc=desc, dynamic_ncols=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import os
 import shutil
 from pathlib import Path
@@ -28,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # no "Loading weights" bars between our own progress bar's lines
 
-from common.cli import ConfigError
+from common.cli import ConfigError, NonFiniteError
 from common.tasks import embedded_model_name
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -187,11 +188,24 @@ def load_policy(model_path: str, checkpoint, args):
             model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
         else:
             targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+            check_lora_targets(model, targets)
             model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
     # training mode (from_pretrained returns eval mode): transformers checkpoints activations only in training
     # mode, and --lora-dropout acts only there; sampling switches to eval mode and back (common/rollout.py)
     return model.train()
+
+
+def check_lora_targets(model, targets) -> None:
+    """Every --lora-target-modules name is the last part of some linear layer's name (peft's rule for a list), or a
+    one-line error listing the names the model has."""
+    if targets == "all-linear":
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in targets if t not in linear]
+    if missing:
+        raise ConfigError(f"--lora-target-modules: the model has no linear layer named {', '.join(missing)} "
+                          f"(its linear layers: {', '.join(linear)}, or all-linear)")
 
 
 def disable_dropout(model) -> None:
@@ -225,6 +239,23 @@ class AdapterDisabled:
 def trainable(model) -> list:
     """The parameters an optimiser updates (all of them, or a LoRA policy's adapters)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def optimizer_step(optimizer, accelerator, model, max_grad_norm: float, loss: torch.Tensor, step: int) -> torch.Tensor:
+    """Clip the gradient to max_grad_norm by global norm and take the optimiser step; returns the norm before clipping.
+    If the loss (summed over the micro-batches) or the gradient norm is NaN or infinite on any process, no process steps:
+    the run stops with a NonFiniteError naming the step and the metric, the weights and the last checkpoint as they were."""
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    bad = torch.stack([~torch.isfinite(loss.detach().float()), ~torch.isfinite(grad_norm.detach().float())]).float()
+    bad = accelerator.reduce(bad.to(grad_norm.device), "sum")  # every process takes the same decision
+    if bad.any():
+        metric, value = ("loss", loss.item()) if bad[0] else ("policy/grad_norm", grad_norm.item())
+        where = f"{value}" if not math.isfinite(value) else "not finite on another process"
+        raise NonFiniteError(f"step {step}: {metric} is {where} before the optimiser step; the weights were not updated "
+                             "and the last checkpoint is intact (lower --lr, or check the rewards)")
+    optimizer.step()
+    optimizer.zero_grad()
+    return grad_norm
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:

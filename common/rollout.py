@@ -121,7 +121,9 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
 
 def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits (..., V) set to -inf outside the top_k largest and outside the smallest set of most likely tokens
-    whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). The
+    whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). Ties are
+    kept together: every token whose logit equals the last kept one stays (top-k's rule too), so the set does not
+    depend on how a sort orders equal values on one device or another. The
     token ids in `keep` (...) stay in the set whatever: the training forward keeps the token it scores, so a
     token sampled at the edge of the set, where a forward pass with another shape can round the other way,
     never scores -inf. Unchanged at top_k 0 and top_p 1."""
@@ -131,10 +133,11 @@ def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: tor
     if top_k > 0:
         remove |= logits < torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
     if top_p < 1.0:
-        ordered, order = torch.sort(logits.masked_fill(remove, float("-inf")), dim=-1, descending=True)
+        ordered = torch.sort(logits.masked_fill(remove, float("-inf")), dim=-1, descending=True).values
         probs = ordered.softmax(-1)
         above = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each one
-        remove |= torch.zeros_like(remove).scatter(-1, order, above >= top_p)
+        boundary = ordered.masked_fill(above >= top_p, float("inf")).min(-1, keepdim=True).values  # the last kept logit
+        remove |= logits < boundary  # every token tied with the last kept one stays, whatever order the sort gave them
     if keep is not None:
         remove.scatter_(-1, keep.unsqueeze(-1), False)
     return logits.masked_fill(remove, float("-inf"))

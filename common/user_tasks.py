@@ -13,7 +13,8 @@ of the row reaches the reward functions as a keyword argument. A reward function
     def exact_match(completions: list[str], answers: list[str], **columns) -> list[float]
 
 named by its import path (`module:function`; the working directory is importable), several with
---reward-weights; the task's reward is their weighted sum and each is logged as reward/<function>.
+--reward-weights; the task's reward is their weighted sum and each is logged as reward/<function> (as
+reward/<module:function> where two share a name). Values may be Python, numpy or one-element torch numbers.
 A reward that raises, returns the wrong number of values, or a NaN or infinite value stops the run
 with an error naming it, before any update is taken from it. A completion counts as a success (what
 pass@k counts) when its reward is at least 1.
@@ -23,12 +24,17 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import os
 import sys
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+import torch
 from datasets import Dataset
 
 from common.cli import ConfigError
@@ -40,35 +46,60 @@ class RewardError(ConfigError):
     """A reward function misbehaved: the run stops before an update is taken from its values."""
 
 
+def as_reward(value) -> float | None:
+    """A reward value as a float: Python, numpy and one-element torch numbers are accepted; None if it is not a
+    finite number."""
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool:
+            return None
+        value = value.item()
+    if isinstance(value, np.ndarray) and value.shape == ():
+        value = value.item()
+    if not isinstance(value, (numbers.Real, np.floating, np.integer)) or isinstance(value, bool):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 @dataclass
 class RewardFunction:
     path: str  # module:function
     fn: Callable
     weight: float
-
-    @property
-    def name(self) -> str:
-        return self.path.rsplit(":", 1)[-1]
+    name: str = ""  # the key of its values and its log, reward/<name>: the function's name, or its path if two share it
 
     def __call__(self, completions: list[str], answers: list[str], columns: dict[str, list]) -> list[float]:
         try:
             values = self.fn(completions, answers, **columns)
         except Exception as e:  # noqa: BLE001 -- any failure of user code stops the run, named
             raise RewardError(f"reward {self.path} raised {type(e).__name__}: {e}") from e
-        values = list(values) if values is not None else []
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise RewardError(f"reward {self.path} returned {type(values).__name__} {values!r:.60}: expected a list of "
+                              f"{len(completions)} numbers, one per completion")
+        values = list(values)
         if len(values) != len(completions):
             raise RewardError(f"reward {self.path} returned {len(values)} values for {len(completions)} completions")
-        for i, v in enumerate(values):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise RewardError(f"reward {self.path} returned {v!r} for completion {i}: rewards must be finite numbers")
-        return [float(v) for v in values]
+        floats = [as_reward(v) for v in values]
+        for i, (v, f) in enumerate(zip(values, floats)):
+            if f is None:
+                raise RewardError(f"reward {self.path} returned {v!r:.60} for completion {i}: rewards must be finite numbers")
+        return floats
 
 
 def load_rewards(paths: list[str], weights: list[float] | None) -> list[RewardFunction]:
-    """Import each `module:function` (checked now, before any model is built)."""
+    """Import each `module:function` (checked now, before any model is built). Each is keyed, and logged, by its
+    function name, or by its whole path where two functions share a name (a:score and b:score)."""
     weights = list(weights) if weights else [1.0] * len(paths)
     if len(weights) != len(paths):
         raise ConfigError(f"--reward-weights has {len(weights)} values for {len(paths)} --reward functions")
+    for path, weight in zip(paths, weights):
+        if not math.isfinite(weight):
+            raise ConfigError(f"--reward-weights: the weight of {path} is {weight}; weights must be finite numbers")
+    repeated = sorted({p for p in paths if paths.count(p) > 1})
+    if repeated:
+        raise ConfigError(f"--reward {repeated[0]} is given twice; give it once, with its weight in --reward-weights")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a rewards file next to where the run starts
     functions = []
@@ -80,10 +111,15 @@ def load_rewards(paths: list[str], weights: list[float] | None) -> list[RewardFu
             module = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError(f"--reward {path}: cannot import {module_name} ({e})") from None
+        except Exception as e:  # noqa: BLE001 -- the module's own code failed while it was imported
+            raise ConfigError(f"--reward {path}: importing {module_name} raised {type(e).__name__}: {e}") from None
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"--reward {path}: {module_name} has no function {attr}")
         functions.append(RewardFunction(path, fn, float(weight)))
+    short = [p.rsplit(":", 1)[-1] for p in paths]
+    for f, name in zip(functions, short):
+        f.name = name if short.count(name) == 1 else f.path
     return functions
 
 
@@ -156,6 +192,7 @@ def as_task_rows(data: Dataset, prompt_column: str, answer_column: str) -> Datas
 
 
 # ---------------------------------------------------------------- MATH
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own default, per parse and per verify
 MATH_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -180,14 +217,17 @@ def math_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     1/2 = 0.5 = \\frac{1}{2}, 2\\sqrt{3} = \\sqrt{12}, ...), else 0."""
     from math_verify import parse, verify
 
+    # math-verify bounds each call with signal.alarm, which only the main thread may set; in another thread (async_grpo.py's
+    # generation thread) it raises, so there the calls run without that timeout
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     rewards = []
     for completion, answer in zip(completions, answers):
         boxed = last_boxed(completion)
         if boxed is None:
             rewards.append(0.0)
             continue
-        gold, guess = parse(f"${answer}$"), parse(f"${boxed}$")
-        rewards.append(float(bool(gold) and bool(guess) and verify(gold, guess)))
+        gold, guess = parse(f"${answer}$", parsing_timeout=timeout), parse(f"${boxed}$", parsing_timeout=timeout)
+        rewards.append(float(bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=timeout)))
     return rewards
 
 

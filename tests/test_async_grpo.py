@@ -133,7 +133,7 @@ def test_m2po_recomputes_its_mask_at_every_pass_from_the_current_policy(tiny_mod
     optimizer = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
     args = loss_args(correction="m2po", num_iterations=2, m2po_threshold=1e-3, max_grad_norm=1e9)
     metrics = async_grpo.optimise(tiny_model, None, optimizer, Accelerator(cpu=True), batch, torch.tensor([1.0, -1.0] * 8),
-                                  True, args)
+                                  True, args, step=1)
     m = batch.completion_mask.bool()
     assert len(calls) == 2  # one mask per pass
     (log_r1, keep1), (log_r2, keep2) = calls

@@ -116,7 +116,7 @@ def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint(tmp_path):
         assert key in rows[2], key
     assert json.loads((run_dir / "args.json").read_text())["max_new_tokens"] == 8
     assert latest_weights(run_dir).num_parameters() > 0
-    assert torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=False)["step"] == 2
+    assert torch.load(run_dir / "checkpoints" / "step_000002" / "state.pt", weights_only=True)["step"] == 2
 
 
 def test_first_on_policy_step_has_ratio_one_and_no_clipping(tmp_path):

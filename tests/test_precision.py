@@ -40,7 +40,7 @@ def one_adamw_step(dtype: str, pure: bool, batch, advantages, lr: float = 1e-6) 
     policy = load_model(EMBEDDED, dtype, pure=pure)
     before = torch.cat([p.detach().float().flatten() for p in policy.parameters() if p.dim() == 2])
     optimizer = RecordingAdamW(policy.parameters(), lr=lr, weight_decay=0.0)
-    grpo.optimise(policy, None, optimizer, Accelerator(cpu=True), batch, advantages, grpo.Args(beta=0.0, max_new_tokens=8))
+    grpo.optimise(policy, None, optimizer, Accelerator(cpu=True), batch, advantages, grpo.Args(beta=0.0, max_new_tokens=8), step=1)
     after = torch.cat([p.detach().float().flatten() for p in policy.parameters() if p.dim() == 2])
     return optimizer.gradient, after - before
 

@@ -33,7 +33,25 @@ def too_few(completions, answers, **columns):
 
 def nan(completions, answers, **columns):
     return [float("nan")] + [0.0] * (len(completions) - 1)
+
+def number(completions, answers, **columns):
+    return 1.0
+
+def numpy_floats(completions, answers, **columns):  # what `list(np.ones(n, np.float32))` users write gives
+    import numpy as np
+    return list(np.full(len(completions), 0.25, dtype=np.float32))
+
+def torch_tensor(completions, answers, **columns):
+    import torch
+    return torch.full((len(completions),), 0.5)
+
+def boxed_math(completions, answers, **columns):  # MATH's scoring (math-verify) of the completion as a boxed answer
+    from common.user_tasks import math_reward
+    return math_reward([f"\\\\boxed{{{c.strip()}}}" for c in completions], answers)
 '''
+
+# The same function name in two modules: a:score is 1, b:score is 0.
+SCORE = "def score(completions, answers, **columns):\n    return [{}] * len(completions)\n"
 
 
 @pytest.fixture
@@ -75,6 +93,7 @@ def test_weighted_rewards_see_the_rows_columns_and_each_is_logged(user_files):
     ("raises", "reward {m}:raises raised KeyError: 'no such thing'"),
     ("too_few", "reward {m}:too_few returned 63 values for 64 completions"),  # the base eval: 16 prompts x 4
     ("nan", "reward {m}:nan returned nan for completion 0: rewards must be finite numbers"),
+    ("number", "reward {m}:number returned float 1.0: expected a list of 64 numbers, one per completion"),
 ])
 def test_a_misbehaving_reward_stops_the_run_naming_it_before_any_update(user_files, function, message):
     tmp, module = user_files
@@ -87,8 +106,35 @@ def test_a_misbehaving_reward_stops_the_run_naming_it_before_any_update(user_fil
     assert not [r for r in read_metrics(tmp / "run") if r["step"] > 0]  # it stopped at the first scoring (the base eval)
 
 
+def data_flags(module, **overrides) -> dict:
+    return {**dict(task="data", model=grpo.resolve_model("embedded", "reverse"), data_path="rows.jsonl",
+                   prompt_column="question", answer_column="target", reward=[f"{module}:exact"]), **overrides}
+
+
+def test_numpy_and_torch_numbers_are_rewards_too(user_files):
+    tmp, module = user_files
+    grpo.main(small_args(grpo, tmp, **data_flags(module, reward=[f"{module}:numpy_floats", f"{module}:torch_tensor"]),
+                         steps=1, eval_every=0, prompts_per_step=4))
+    rows = read_metrics(tmp / "run")
+    assert rows[1]["reward/numpy_floats"] == 0.25 and rows[1]["reward/torch_tensor"] == 0.5 and rows[1]["reward/mean"] == 0.75
+
+
+def test_two_rewards_with_one_name_in_two_modules_are_kept_apart_and_logged_by_path(user_files):
+    tmp, _ = user_files
+    (tmp / "ra.py").write_text(SCORE.format(1.0))
+    (tmp / "rb.py").write_text(SCORE.format(0.0))
+    grpo.main(small_args(grpo, tmp, **data_flags("ra", reward=["ra:score", "rb:score"]), steps=1, eval_every=0,
+                         prompts_per_step=4))
+    row = read_metrics(tmp / "run")[1]
+    assert row["reward/ra:score"] == 1.0 and row["reward/rb:score"] == 0.0 and row["reward/mean"] == 1.0
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(reward=[]), "--task data needs at least one --reward module:function"),
+    (dict(reward=["{m}:exact", "{m}:exact"]), "--reward {m}:exact is given twice"),
+    (dict(reward_weights=[float("nan")]), "--reward-weights: the weight of {m}:exact is nan; weights must be finite"),
+    (dict(reward_weights=[float("inf")]), "--reward-weights: the weight of {m}:exact is inf"),
+    (dict(reward=["broken_module:f"]), "--reward broken_module:f: importing broken_module raised ZeroDivisionError"),
     (dict(reward=["nosuchmodule:f"]), "--reward nosuchmodule:f: cannot import nosuchmodule"),
     (dict(reward=["{m}:missing"]), "--reward {m}:missing: {m} has no function missing"),
     (dict(reward=["{m}"]), "--reward {m}: expected module:function"),
@@ -101,9 +147,9 @@ def test_a_misbehaving_reward_stops_the_run_naming_it_before_any_update(user_fil
 def test_bad_task_input_is_refused_before_a_model_is_built(user_files, monkeypatch, overrides, message):
     tmp, module = user_files
     (tmp / "rows.txt").write_text("x")
+    (tmp / "broken_module.py").write_text("1 / 0\n")
     monkeypatch.setattr(grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
-    flags = dict(task="data", model=grpo.resolve_model("embedded", "reverse"), data_path="rows.jsonl", prompt_column="question",
-                 answer_column="target", reward=[f"{module}:exact"])
+    flags = data_flags(module)
     flags.update({k: [x.format(m=module) for x in v] if k == "reward" else v for k, v in overrides.items()})
     with pytest.raises(ConfigError, match=message.format(m=module)):
         grpo.main(small_args(grpo, tmp, **flags))
@@ -147,6 +193,27 @@ def test_chat_message_prompts_are_rendered_by_the_chat_template(tokenizer):
 ])
 def test_math_answers_are_compared_as_mathematics(completion, answer, right):
     assert math_reward([completion], [answer]) == [float(right)]
+
+
+def test_math_verify_scores_in_a_thread_other_than_the_main_one():
+    """math-verify's own timeout is signal.alarm, which raises outside the main thread."""
+    import threading
+
+    scored = {}
+    thread = threading.Thread(target=lambda: scored.update(r=math_reward(["\\boxed{\\frac12}", "\\boxed{3}"], ["0.5", "4"])))
+    thread.start()
+    thread.join()
+    assert scored["r"] == [1.0, 0.0]
+
+
+def test_async_grpo_scores_boxed_answers_with_math_verify_in_its_generation_thread(user_files):
+    import async_grpo
+
+    tmp, module = user_files
+    async_grpo.main(small_args(async_grpo, tmp, **data_flags(module, reward=[f"{module}:boxed_math"]), steps=2, eval_every=0,
+                               prompts_per_step=4))
+    rows = read_metrics(tmp / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[0]["eval/pass@1"] > 0  # some boxed answers verified right
 
 
 def test_math_rows_take_the_answer_from_the_solutions_last_box(tmp_path):

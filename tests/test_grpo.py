@@ -74,6 +74,7 @@ BAD_INPUT = [
     (dict(eps_low=0.0), "--eps-low must be in \\(0, 1\\)"),
     (dict(prompts_per_step=0), "--prompts-per-step"),
     (dict(eval_k=16, eval_samples=8), "--eval-k must be in"),
+    (dict(dynamic_sampling=True, train_size=8), "--dynamic-sampling needs more training prompts than --prompts-per-step"),
 ]
 
 
@@ -102,9 +103,11 @@ def test_command_line_error_is_one_line_and_exits_2():
 
 
 # ---------------------------------------------------------------- the script end to end
-def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint(tmp_path):
-    grpo.main(small_args(tmp_path, steps=2))
+def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint_and_prints_a_summary(tmp_path, capsys):
+    grpo.main(small_args(tmp_path, steps=2, eval_k=1))
     run_dir = tmp_path / "run"
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert len(summary) == 2 and all(line.count("eval/pass@") == 1 for line in summary)  # pass@k only when k > 1
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@k", "eval/greedy", "eval/reward_mean", "eval/mean_length"}
@@ -221,3 +224,18 @@ def test_dynamic_sampling_at_its_cap_fills_the_batch_with_all_equal_groups(tmp_p
     assert dyn["reward/mean"] == plain["reward/mean"] and dyn["frac_reward_zero_std"] == plain["frac_reward_zero_std"] > 0
     for key in ("loss", "policy/grad_norm", "policy/entropy", "policy/kl_ref"):
         assert dyn[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-8), key
+
+
+def test_dynamic_sampling_refills_from_the_prompts_that_remain_and_counts_the_rounds_it_drew(tmp_path, monkeypatch):
+    """A pool of 12 prompts and 8 a step: a second round draws the 4 prompts left (16 completions), and then none is left."""
+    drawn, real = [], grpo.rollout
+
+    def counted(model, tokenizer, prompts, *args, **kwargs):
+        drawn.append(len(prompts))
+        return real(model, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "rollout", counted)
+    grpo.main(small_args(tmp_path, steps=3, eval_every=0, train_size=12, dynamic_sampling=True, max_sampling_rounds=4))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert sum(r["sampling/rounds"] for r in rows) == len(drawn)  # the rounds reported are the rounds drawn
+    assert max(r["sampling/rounds"] for r in rows) == 2 and sorted(set(drawn)) == [16, 32]

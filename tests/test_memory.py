@@ -108,10 +108,11 @@ LORA = dict(lora_r=4, lora_alpha=8.0, lr=5e-3)
 
 
 def test_lora_trains_the_adapters_only_and_its_reference_is_the_base(tmp_path):
-    grpo.main(small_args(grpo, tmp_path, steps=2, **LORA))
+    grpo.main(small_args(grpo, tmp_path, steps=2, lora_target_modules="q_proj,v_proj", **LORA))
     run = tmp_path / "run"
     checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
     assert (checkpoint / "adapter_config.json").is_file() and not (checkpoint / "model.safetensors").exists()
+    assert set(json.loads((checkpoint / "adapter_config.json").read_text())["target_modules"]) == {"q_proj", "v_proj"}
     rows = read_metrics(run)
     assert rows[1]["policy/kl_ref"] == 0.0  # adapters start at B = 0: pi_theta = pi_ref exactly
     assert rows[2]["policy/kl_ref"] > 0  # after a step they differ
@@ -135,6 +136,24 @@ def test_lora_resume_ends_like_an_uninterrupted_run_and_export_merges(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "run" / "export")  # a plain model, no peft
     assert not any("lora" in k for k in merged.state_dict())
     assert not state_dicts_equal(merged, load_model(EMBEDDED))
+
+
+def test_a_lora_target_the_model_lacks_is_one_line_naming_the_layers_it_has(tmp_path):
+    from common.cli import ConfigError
+
+    with pytest.raises(ConfigError, match="^--lora-target-modules: the model has no linear layer named nosuch_proj \\(its linear "
+                                          "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or all-linear\\)$"):
+        grpo.main(small_args(grpo, tmp_path, steps=1, lora_target_modules="q_proj,nosuch_proj", **LORA))
+
+
+@pytest.mark.parametrize("script", [grpo, ppo], ids=lambda m: m.__name__)
+def test_with_top_p_the_reference_is_scored_under_the_policys_truncation(tmp_path, script):
+    """At equal weights (LoRA's B = 0: the same model, the same kernels, adapters adding exactly 0) the KL to pi_ref is
+    exactly 0 at top-p too: both are the top-p-truncated distributions, each renormalised, the scored token kept. Scoring
+    pi_ref on its full distribution instead gives log(kept mass) per token, > 0 at the first step."""
+    extra = dict(prompts_per_step=16, num_generations=1, minibatches=2, ppo_epochs=1) if script is ppo else {}
+    script.main(small_args(script, tmp_path, task="add", steps=1, eval_every=0, top_p=0.8, **LORA, **extra))
+    assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == 0.0
 
 
 def test_ppo_trains_a_value_head_on_a_lora_policy(tmp_path):

@@ -158,3 +158,10 @@ def test_truncate_keeps_the_top_k_then_the_smallest_set_reaching_top_p():
     assert kept(top_k=3, top_p=0.75) == [True, True, False, False, False]  # top-p of the top-3, renormalised: 0.59, 0.24
     assert kept(top_p=0.5, keep=torch.tensor([3])) == [True, False, False, True, False]  # the scored token stays
     assert torch.equal(truncate(logits), logits)
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_it_keeps():
+    """Which of two equal logits a sort puts first is not specified (it differs between devices); both stay."""
+    for probs in ([0.4, 0.3, 0.3], [0.3, 0.4, 0.3], [0.3, 0.3, 0.4]):
+        assert torch.isfinite(truncate(torch.log(torch.tensor([probs])), top_p=0.5)).all(), probs
+    assert torch.isfinite(truncate(torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])), top_p=0.5))[0].tolist() == [True, True, False, False]

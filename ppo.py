@@ -110,7 +110,8 @@ class Args:
     lora_target_modules: str = "all-linear"
     """comma-separated module names that get adapters (e.g. q_proj,v_proj), or all-linear"""
     generation_batch_size: int | None = None
-    """sample (and evaluate) in micro-batches of this many rows (default: all at once); the tokens are the same"""
+    """sample (and evaluate) in micro-batches of this many rows (default: all at once); the same tokens up to
+    rounding (other padding moves the logits by ~1e-6: a draw that close to a CDF boundary can flip)"""
     trust_remote_code: bool = False
     """let transformers run code shipped with a hub model"""
     # ---------------------------------------------------------------- rollout

@@ -270,8 +270,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 def load_reference(name_or_path: str, args, policy=None):
     """The frozen reference policy pi_ref (always the initial model, also when the policy resumes). With
     LoRA, the policy with its adapters disabled. Otherwise a second model loaded exactly as the policy is
-    (same weights dtype, same autocast), so that the two compute the same numbers and KL(pi_theta || pi_ref)
-    starts at exactly 0. (Holding it in bf16 under a float32-master policy would halve its memory, but
+    (same weights dtype, same autocast), so that the two run the same kernels on the same numbers
+    (tests/test_precision.py) and KL(pi_theta || pi_ref) starts at 0. (Holding it in bf16 under a float32-master policy would halve its memory, but
     measured on SmolLM2-135M-Instruct its KL at step 0 was then 1.9e-3: noise as large as the KL a run
     builds up.)"""
     if args.lora_r > 0:

@@ -9,8 +9,10 @@ algorithms cares about:
     behaviour log-probs would make it the kept mass, about 0.9 at top-p 0.8);
   * each completion draws its randomness from its own key (seed, step, prompt index, g), so the
     completions of a prompt do not depend on the batch size, on micro-batching or on how prompts
-    are sharded across processes: 1 and 2 processes sample the same tokens, and a resumed run
-    samples what the uninterrupted run sampled;
+    are sharded across processes, up to rounding: another batch pads and multiplies other shapes, which
+    moves the logits by ~1e-6 and flips a draw only when its uniform lies that close to a CDF boundary
+    (tests/conftest.py: assert_same_samples). A resumed run samples what the uninterrupted run sampled,
+    bit for bit: the same batches, the same kernels, the same weights;
   * it stops as soon as every row has produced EOS.
 Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u_i}, u_i ~ U[0, 1).
 """
@@ -206,7 +208,7 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
     batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
-    tokens are those of one pass."""
+    tokens are those of one pass, up to rounding (the module's docstring)."""
     if batch_size is not None and len(prompts) > batch_size:
         return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
                                         max_new_tokens, temperature, eos_ids, device,
@@ -282,12 +284,18 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    T = completion_ids.shape[1]
-    keep = {"logits_to_keep": T + 1} if _accepts(model, "logits_to_keep") else {}  # no logits over the prompt
+    L, T = input_ids.shape[1], completion_ids.shape[1]
+    # Logits at the T positions that predict y_1..y_T only, none over the prompt. Asked for by an index tensor, not by
+    # a count: the model then gathers those hidden states into a new contiguous tensor, and the output layer is one
+    # matrix product whether or not its weight requires a gradient. (A count slices a non-contiguous view, for which
+    # torch.matmul picks mm when the weight requires a gradient and bmm when it does not: the policy and a frozen
+    # reference would then round differently, and their KL at equal weights would not be exactly 0.)
+    predicting = torch.arange(L - T - 1, L - 1, device=input_ids.device)
+    keep = {"logits_to_keep": predicting} if _accepts(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 output_hidden_states=with_hidden, **keep)
     hidden = out.hidden_states[-1][:, -T - 1 : -1] if with_hidden else None
-    return out.logits[:, -T - 1 : -1], hidden
+    return (out.logits if keep else out.logits[:, -T - 1 : -1]), hidden
 
 
 def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,

@@ -69,6 +69,42 @@ def without_timing(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(TIMING_KEYS)} for row in rows]
 
 
+def assert_same_samples(model, a, b, keys, max_new_tokens: int, temperature: float = 1.0, tol: float = 1e-4) -> None:
+    """Rollouts a and b of the same rows and noise keys, computed two ways (in one batch and one by one, in micro-batches,
+    sharded): the same tokens up to rounding, and where the tokens agree the same log-probs to 1e-5.
+
+    The two ways round the logits differently (other padding, other matrix shapes: ~1e-6), which flips a draw
+    y = min{v : cdf(v) > u} only when its uniform u lies within rounding of a CDF boundary. So where a row's tokens
+    first differ, the CDF is recomputed at that position and u must lie within tol of the boundary between the two
+    tokens. Greedy decoding (temperature 0): their two logits must tie within tol instead."""
+    from common.rollout import row_uniforms
+
+    for i in range(len(a.texts)):
+        na, nb = int(a.attention_mask[i].sum()), int(b.attention_mask[i].sum())
+        ya, yb = a.completion_ids[i, :na], b.completion_ids[i, :nb]
+        differ = (ya[: min(na, nb)] != yb[: min(na, nb)]).nonzero()
+        if len(differ) == 0:
+            assert na == nb, (i, a.texts[i], b.texts[i])
+            m = a.completion_mask[i, :na].bool()
+            assert temperature == 0 or torch.allclose(a.logprobs[i, :na][m], b.logprobs[i, :nb][m], atol=1e-5), i
+            continue
+        t = int(differ[0])
+        context = torch.cat([a.prompt_ids[i][a.prompt_mask[i].bool()], ya[:t]])[None]
+        with torch.no_grad():
+            logits = model(input_ids=context).logits[0, -1].float()
+        low, high = sorted((int(ya[t]), int(yb[t])))
+        if temperature == 0:
+            assert (logits[low] - logits[high]).abs() < tol, (i, t, logits[low].item(), logits[high].item())
+            continue
+        cdf = torch.softmax(logits / temperature, -1).cumsum(-1)
+        if a.turn_ids is None:  # single-turn: token t drew u_t of its row's key
+            u = row_uniforms([keys[i]], max_new_tokens, "cpu")[0, t]
+        else:  # multi-turn: token j of model turn k drew u_j of the key (*key, k)
+            k = int(a.turn_ids[i, t])
+            u = row_uniforms([(*keys[i], k)], max_new_tokens, "cpu")[0, int((a.turn_ids[i, :t] == k).sum())]
+        assert (u - cdf[low]).abs() < tol, (i, t, u.item(), cdf[low].item())
+
+
 def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)

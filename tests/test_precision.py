@@ -4,6 +4,7 @@ products), so a small step counts; pure bf16 only by --pure-dtype, with a measur
 import pytest
 import torch
 from accelerate import Accelerator
+from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import latest_weights, small_args
 
 import grpo
@@ -99,13 +100,50 @@ def test_sampler_and_training_forward_agree_under_bf16(tokenizer):
     assert abs(ratio.mean().item() - 1) < 1e-2 and ratio.max().item() < 1.1
 
 
+class KernelLog(TorchDispatchMode):
+    """Every aten operator a forward runs, in order, with the shapes, strides and dtypes of its tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.aten.detach.default:  # autograd's bookkeeping for the tensors it saves: no arithmetic
+            tensors = [(tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor)]
+            self.calls.append((str(func), tensors))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_reference_runs_the_policys_kernels_on_the_same_numbers(tokenizer, dtype):
+    """pi_ref (frozen: no gradient, eval mode) and the policy (training mode, weights that require a gradient) at equal
+    weights call the same operators on tensors of the same shapes, strides and dtypes, so they compute the same
+    log-probs and KL(pi_theta || pi_ref) starts at 0 up to a matrix library's own run-to-run determinism. (Before the
+    fix the output layer ran mm for one and bmm for the other: torch.matmul chooses by requires_grad on a
+    non-contiguous input, and the two rounded differently on some CPUs.)"""
+    from common.models import load_policy, load_reference
+
+    args = grpo.Args(dtype=dtype)
+    policy, ref = load_policy(EMBEDDED, None, args), load_reference(EMBEDDED, args)
+    batch = rollout(policy, tokenizer, ["123>", "4567>"] * 2, [(0, i) for i in range(4)], 8, 1.0, [tokenizer.eos_token_id], "cpu")
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    with KernelLog() as policy_kernels:
+        logps, _ = token_logprobs(policy, *inputs)
+    with torch.no_grad(), KernelLog() as ref_kernels:
+        ref_logps, _ = token_logprobs(ref, *inputs)
+    assert policy.training and not ref.training and logps.requires_grad
+    assert policy_kernels.calls == ref_kernels.calls
+    assert torch.allclose(logps, ref_logps, rtol=0, atol=1e-6)
+
+
 def test_a_bf16_run_starts_at_kl_ref_0_checkpoints_float32_weights_and_exports_bf16(tmp_path):
     grpo.main(small_args(grpo, tmp_path, steps=2, dtype="bfloat16", export_dtype="bfloat16", eval_every=0))
     from transformers import AutoModelForCausalLM
 
     from common.logging import read_metrics
 
-    assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == 0.0  # pi_ref computed as the policy is, also in bf16
+    # pi_ref computed as the policy is, also in bf16 (the same kernels, test above): 0 up to the matrix library
+    assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-9)
 
     checkpoint = latest_weights(tmp_path / "run")  # loads in the stored dtype
     assert {p.dtype for p in checkpoint.parameters()} == {torch.float32}

@@ -233,6 +233,16 @@ def prompt_probs(sigma_hat: np.ndarray, args: Args) -> np.ndarray:
     return sigma / sigma.sum()
 
 
+def draw_prompts(sigma_hat: np.ndarray, args: Args, step: int) -> np.ndarray:
+    """Step t's prompts (indices into the pool): --prompts-per-step independent draws from q, or for the ablation
+    uniform draws without replacement (grpo.py's). They depend only on (seed, t) and sigma_hat, so resume and
+    sharding see the same prompts."""
+    rng = np.random.default_rng([args.seed, step])
+    if args.prompt_weighting:
+        return rng.choice(len(sigma_hat), args.prompts_per_step, replace=False)
+    return rng.choice(len(sigma_hat), args.prompts_per_step, replace=True, p=prompt_probs(sigma_hat, args))
+
+
 def update_sigma(sigma_hat: np.ndarray, chosen: np.ndarray, group_std: np.ndarray, decay: float) -> None:
     """Running estimate of each drawn prompt's reward std, in place: one update per distinct prompt,
 
@@ -243,6 +253,16 @@ def update_sigma(sigma_hat: np.ndarray, chosen: np.ndarray, group_std: np.ndarra
     for x in np.unique(chosen):
         std = float(np.mean(group_std[chosen == x]))
         sigma_hat[x] = std if np.isnan(sigma_hat[x]) else decay * sigma_hat[x] + (1 - decay) * std
+
+
+def is_advantages(rewards: torch.Tensor, group_size: int, prompt_weighting: bool) -> torch.Tensor:
+    """GRPO's group-normalised advantages (R - mean_x) / (sigma_x + eps); for the ablation each group's multiplied by
+    sigma_x / mean(sigma) over the batch, which makes them (R - mean_x) / mean(sigma): batch-std normalisation."""
+    advantages = group_advantages(rewards, group_size, "group")
+    if prompt_weighting:
+        group_std = rewards.view(-1, group_size).std(dim=1)
+        advantages = advantages * (group_std / group_std.mean().clamp(min=1e-8)).repeat_interleave(group_size)
+    return advantages
 
 
 # ---------------------------------------------------------------- the GRPO objective
@@ -381,12 +401,8 @@ def main(args: Args) -> None:
         # ---- 1. draw prompts with q(x) proportional to sigma_hat_x (uniformly for the ablation); the draw
         #         depends only on (seed, step) and sigma_hat, so resume and sharding see the same prompts
         t0 = time.perf_counter()
-        rng = np.random.default_rng([args.seed, step])
-        q = prompt_probs(sigma_hat, args)
-        if args.prompt_weighting:
-            chosen = rng.choice(len(task.train), args.prompts_per_step, replace=False)
-        else:
-            chosen = rng.choice(len(task.train), args.prompts_per_step, replace=True, p=q)
+        q = prompt_probs(sigma_hat, args)  # (logged)
+        chosen = draw_prompts(sigma_hat, args, step)
         local = list(range(rank * P, (rank + 1) * P))  # positions of this process's prompts in the global batch
         rows = task.train.select(chosen[local].tolist())
         prompts = [p for p in rows["prompt"] for _ in range(G)]
@@ -403,10 +419,7 @@ def main(args: Args) -> None:
         parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
         group_std = rewards.view(-1, G).std(dim=1)
         update_sigma(sigma_hat, chosen, group_std.cpu().numpy(), args.sigma_decay)
-        advantages = group_advantages(rewards, G, "group")
-        if args.prompt_weighting:  # (R - mean) / sigma_x * sigma_x / mean(sigma) = (R - mean) / mean(sigma)
-            advantages = advantages * (group_std / group_std.mean().clamp(min=1e-8)).repeat_interleave(G)
-        advantages = advantages[rank * P * G : (rank + 1) * P * G]
+        advantages = is_advantages(rewards, G, args.prompt_weighting)[rank * P * G : (rank + 1) * P * G]
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
         t0 = time.perf_counter()

@@ -48,7 +48,7 @@ from torch import nn
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
-from common.losses import kl_estimate, masked_mean, masked_whiten
+from common.losses import kl_estimate, masked_whiten
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout
@@ -268,11 +268,33 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def explained_variance(values, returns, mask) -> float:
-    """1 - Var(R - V) / Var(R) over the valid tokens: 1 is a perfect critic, 0 no better than a constant."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+def advantages_and_returns(task_scores, finished, old_logps, ref_logps, old_values, mask, kl_coef: float, args: Args,
+                           reduce=None):
+    """The score (--no-eos-penalty for a completion that never ended), the per-token rewards (whitened with
+    --whiten-rewards, their mean kept), GAE, and the advantages whitened; whitening over the global batch (reduce sums
+    over processes), so N processes take one process's step."""
+    scores = task_scores
+    if args.no_eos_penalty is not None:
+        scores = torch.where(finished, task_scores, torch.full_like(task_scores, args.no_eos_penalty))
+    rewards = per_token_rewards(scores, old_logps, ref_logps, mask, kl_coef)
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=reduce) * mask
+    advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+    return masked_whiten(advantages, mask, reduce=reduce) * mask, returns
+
+
+def explained_variance(values, returns, mask, reduce=None) -> float:
+    """1 - Var(R - V) / Var(R) over the valid tokens of the global batch (reduce sums over processes): 1 is a perfect
+    critic, 0 no better than a constant."""
+    reduce = reduce or (lambda t: t)
+    mask = mask.float()
+
+    def mean(x):
+        return reduce((x * mask).sum()) / reduce(mask.sum()).clamp(min=1)
+
+    var_returns = mean((returns - mean(returns)) ** 2)
     residual = returns - values
-    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    var_residual = mean((residual - mean(residual)) ** 2)
     return (1 - var_residual / var_returns).item() if var_returns > 0 else float("nan")
 
 
@@ -433,9 +455,6 @@ def main(args: Args) -> None:
         parts = {}  # --reward functions' own values, logged as reward/<name>
         task_scores = torch.tensor(task.score(batch, answers, rows, parts)[0], device=device)
         parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
-        scores = task_scores
-        if args.no_eos_penalty is not None:
-            scores = torch.where(batch.finished, task_scores, torch.full_like(task_scores, args.no_eos_penalty))
         # ---- 4. pi_old, V_old and pi_ref at the sampling weights; per-token rewards; GAE
         with torch.no_grad():
             logits, old_values = model(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
@@ -447,11 +466,8 @@ def main(args: Args) -> None:
                 ref_logps, _ = logprobs_from_logits(ref_logits, batch.completion_ids, args.temperature, top_k=args.top_k,
                                                     top_p=args.top_p)  # the same truncation as pi_old's
             old_values = old_values * mask
-            rewards = per_token_rewards(scores, old_logps, ref_logps, mask, kl_coef)
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, mask, shift_mean=False) * mask
-            advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask) * mask
+            advantages, returns = advantages_and_returns(task_scores, batch.finished, old_logps, ref_logps, old_values,
+                                                         mask, kl_coef, args, lambda t: accelerator.reduce(t, "sum"))
         rollout_s = time.perf_counter() - t0
         # ---- 5. optimise
         t0 = time.perf_counter()
@@ -459,7 +475,7 @@ def main(args: Args) -> None:
         train_s = time.perf_counter() - t0
         kl_coef_used = kl_coef
         # ---- 6. adapt beta toward the KL target (Ziegler et al.: proportional control, error clipped to +-0.2)
-        kl_per_completion = ((old_logps - ref_logps) * mask).sum(-1) if ref is not None else torch.zeros_like(scores)
+        kl_per_completion = ((old_logps - ref_logps) * mask).sum(-1) if ref is not None else torch.zeros_like(task_scores)
         kl_ref = accelerator.gather(kl_per_completion).mean().item()
         if args.adaptive_kl_target is not None:
             error = float(np.clip(kl_ref / args.adaptive_kl_target - 1, -0.2, 0.2))
@@ -478,7 +494,7 @@ def main(args: Args) -> None:
             "objective/kl_coef": kl_coef,
             "objective/non_score_reward": non_score.mean().item(),
             "policy/kl_ref": kl_ref,
-            "value/explained_variance": explained_variance(old_values, returns, mask),
+            "value/explained_variance": explained_variance(old_values, returns, mask, lambda t: accelerator.reduce(t, "sum")),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_frac": 1.0 - finished.mean().item(),
             "time/rollout_s": rollout_s,

@@ -44,11 +44,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over the mask == 1 entries (unbiased variance); masked entries are left as x."""
-    mean = masked_mean(x, mask)
-    n = mask.sum().clamp(min=2)
-    var = ((x - mean) ** 2 * mask).sum() / (n - 1)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None) -> torch.Tensor:
+    """(x - mean) / std over the mask == 1 entries (unbiased variance); masked entries are left as x. With reduce, a sum
+    over processes (accelerator.reduce(t, "sum")), the mean and std are those of every process's entries: N processes
+    whiten as one process does on the whole batch."""
+    reduce = reduce or (lambda t: t)
+    mask = mask.to(x.dtype)
+    n = reduce(mask.sum())
+    mean = reduce((x * mask).sum()) / n.clamp(min=1)
+    var = reduce(((x - mean) ** 2 * mask).sum()) / (n.clamp(min=2) - 1)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean

@@ -110,8 +110,8 @@ def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)
 
 
-def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: int = 2) -> None:
-    """Start `script` on a long run, send it SIGINT (Ctrl-C) once `steps` steps are logged: it must exit
+def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: int = 2, sig=signal.SIGINT) -> None:
+    """Start `script` on a long run, send it SIGINT (Ctrl-C) or `sig` once `steps` steps are logged: it must exit
     with 130, leave exactly one checkpoint, of the last logged step, loadable by transformers, and say
     how to resume."""
     from common.logging import read_metrics
@@ -123,7 +123,7 @@ def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: i
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < steps + 1):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     last_step = read_metrics(run_dir)[-1]["step"]

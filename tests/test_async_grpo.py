@@ -152,8 +152,11 @@ def test_emulated_staleness_k_is_exactly_k_after_warm_up(tmp_path):
 
 @pytest.mark.parametrize("correction", ["none", "tis", "decoupled", "m2po"])
 def test_emulated_staleness_zero_is_grpo_bit_for_bit(tmp_path, correction):
-    """(m2po with the generator on a device of its own: its own full copy of the weights, snapshots copied across, batches
-    handed back to the learner's device. On a CPU, "cpu:0" is another device name for the same memory.)"""
+    """Bit for bit by construction: the same batches (grpo.py's prompts and noise keys), sampled by a copy of the same
+    weights, and at staleness 0 each correction is GRPO's objective with w = pi_old / mu = exp(0) = 1 exactly; so the
+    same kernels run on the same numbers. (m2po with the generator on a device of its own: its own full copy of the
+    weights, snapshots copied across, batches handed back to the learner's device. On a CPU, "cpu:0" is another device
+    name for the same memory.)"""
     on_its_own = {"generator_device": "cpu:0" if conftest.DEVICE == "cpu" else "cuda:0"} if correction == "m2po" else {}
     async_grpo.main(small_args(tmp_path / "async", steps=3, mode="emulated", max_staleness=0, correction=correction,
                                **on_its_own))
@@ -260,17 +263,45 @@ def test_on_a_cpu_the_generator_samples_with_one_intra_op_thread_and_the_learner
     assert seen["generator"] == 1
 
 
-def test_threaded_runs_keep_staleness_within_k_and_report_overlap(tmp_path):
-    async_grpo.main(small_args(tmp_path / "paced", steps=6, max_staleness=1, eval_every=0))
-    async_grpo.main(small_args(tmp_path / "dropped", steps=6, max_staleness=1, drop_stale=True, queue_size=3, eval_every=0))
-    for name in ("paced", "dropped"):
-        rows = read_metrics(tmp_path / name / "run")[1:]
-        assert all(0 <= r["offpolicy/staleness_max"] <= 1 for r in rows), name
-        assert all(0.0 <= r["time/overlap"] <= 1.0 and r["time/learner_wait_s"] >= 0 for r in rows)
-        for key in ("time/rollout_s", "time/train_s", "time/generator_wait_s", "throughput/samples_per_s",
-                    "throughput/tokens_per_s", "offpolicy/ess", "offpolicy/behaviour_ratio_max", "offpolicy/mask_frac",
-                    "policy/entropy", "policy/clip_frac_low", "offpolicy/dropped_batches"):
-            assert key in rows[-1], key
+def test_threaded_runs_report_staleness_overlap_and_the_off_policy_diagnostics(tmp_path):
+    async_grpo.main(small_args(tmp_path, steps=6, max_staleness=1, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert all(0 <= r["offpolicy/staleness_max"] <= 1 for r in rows)
+    assert all(0.0 <= r["time/overlap"] <= 1.0 and r["time/learner_wait_s"] >= 0 for r in rows)
+    for key in ("time/rollout_s", "time/train_s", "time/generator_wait_s", "throughput/samples_per_s",
+                "throughput/tokens_per_s", "offpolicy/ess", "offpolicy/behaviour_ratio_max", "offpolicy/mask_frac",
+                "policy/entropy", "policy/clip_frac_low", "offpolicy/dropped_batches"):
+        assert key in rows[-1], key
+
+
+def test_drop_stale_drops_the_batches_a_free_running_generator_made_too_early(tmp_path, monkeypatch):
+    """K = 0 with a slow learner: while it trains step t, the generator fills the queue from version t - 1, which is
+    stale once step t publishes; those batches are dropped, and every batch trained on is fresh."""
+    optimise = async_grpo.optimise
+    monkeypatch.setattr(async_grpo, "optimise", lambda *a, **k: (time.sleep(0.2), optimise(*a, **k))[1])
+    async_grpo.main(small_args(tmp_path, steps=4, max_staleness=0, drop_stale=True, queue_size=2, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert rows[-1]["offpolicy/dropped_batches"] > 0
+    assert all(r["offpolicy/staleness_max"] == 0 for r in rows)
+
+
+def test_sync_every_2_publishes_every_other_version(tmp_path):
+    """The generator only ever holds published weights: versions 0, 2, 4, ...; a batch trained at step t came from
+    version t - 1 - staleness."""
+    async_grpo.main(small_args(tmp_path, steps=6, max_staleness=1, sync_every=2, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    versions = [r["step"] - 1 - r["offpolicy/staleness_max"] for r in rows]
+    assert all(v % 2 == 0 for v in versions) and max(versions) >= 2, versions
+
+
+def test_the_decoupled_cap_drops_the_tokens_whose_behaviour_weight_exceeds_it(tmp_path):
+    """Emulated K = 2, cap 1: on a stale batch about half the tokens have pi_old / mu > 1 and are dropped; on the
+    fresh first batch w = 1 everywhere and none is."""
+    async_grpo.main(small_args(tmp_path, steps=3, mode="emulated", max_staleness=2, correction="decoupled",
+                               decoupled_cap=1.0, eval_every=0))
+    rows = read_metrics(tmp_path / "run")[1:]
+    assert rows[0]["offpolicy/staleness_max"] == 0 and rows[0]["offpolicy/mask_frac"] == 0.0
+    assert all(r["offpolicy/staleness_max"] > 0 and 0.1 < r["offpolicy/mask_frac"] < 0.9 for r in rows[1:])
 
 
 # ---------------------------------------------------------------- the script end to end

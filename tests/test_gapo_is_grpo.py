@@ -93,16 +93,17 @@ def sampler_args(**overrides) -> is_grpo.Args:
 
 
 def test_prompts_are_drawn_in_proportion_to_sigma_hat():
-    """Chi-square test of 20,000 draws (fixed seed) against q = sigma_hat / sum(sigma_hat)."""
+    """is_grpo.py's own draw, step after step: chi-square of 22,400 draws against q = sigma_hat / sum(sigma_hat)."""
     sigma_hat = np.array([0.5, 0.4, 0.3, 0.2, 0.1, 0.0, np.nan])  # 0 -> floor 0.05, NaN -> init 0.5
     q = is_grpo.prompt_probs(sigma_hat, sampler_args())
     expected = np.array([0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.5]) / 2.05
     assert q == pytest.approx(expected)
-    n = 20_000
-    draws = np.random.default_rng(0).choice(len(q), n, replace=True, p=q)
-    counts = np.bincount(draws, minlength=len(q))
+    draws = np.concatenate([is_grpo.draw_prompts(sigma_hat, sampler_args(), step) for step in range(1, 701)])
+    counts, n = np.bincount(draws, minlength=len(q)), len(draws)
     chi2 = ((counts - n * q) ** 2 / (n * q)).sum()
-    assert chi2 < 22.5  # the 0.999 quantile of a chi-square with 6 degrees of freedom
+    assert n == 700 * 32 and chi2 < 22.5  # the 0.999 quantile of a chi-square with 6 degrees of freedom
+    uniform = is_grpo.draw_prompts(sigma_hat, sampler_args(prompt_weighting=True, prompts_per_step=7), 1)
+    assert sorted(uniform) == list(range(7))  # the ablation: grpo.py's draw, without replacement
 
 
 def test_equal_sigmas_give_uniform_sampling_and_the_grpo_loss(tiny_model, tokenizer):
@@ -132,20 +133,41 @@ def test_a_prompt_drawn_twice_in_a_batch_gets_one_update_with_its_groups_mean_st
         assert sigma_hat.tolist() == pytest.approx([0.45, 0.1])
 
 
-def test_the_largest_unbiased_group_std_is_above_the_default_sigma_init():
-    """The words of --sigma-init: 0.5 is a half-right group's population std; the unbiased std reaches 0.707 at G = 2
-    and 0.535 at G = 8."""
-    for G, largest in ((2, 0.7071), (8, 0.5345)):
-        half_right = torch.tensor([1.0] * (G // 2) + [0.0] * (G - G // 2))
-        assert half_right.std().item() == pytest.approx(largest, abs=1e-4) and half_right.std(unbiased=False).item() == 0.5
+def test_is_grpo_draws_zero_variance_prompts_less_and_updates_sigma_with_its_decay(tmp_path, monkeypatch):
+    """On a 16-prompt pool, once every prompt has been seen, a prompt whose groups were all equal (sigma_hat 0, drawn at
+    the floor 0.05) is drawn several times less often than one with signal. --sigma-decay reaches the update: with 0
+    sigma_hat is each prompt's last group std, and the checkpoint holds what the updates computed."""
+    draws, updates = [], []
+    draw, update = is_grpo.draw_prompts, is_grpo.update_sigma
 
+    def recorded_draw(sigma_hat, args, step):
+        draws.append((sigma_hat.copy(), draw(sigma_hat, args, step)))
+        return draws[-1][1]
 
-def test_is_grpo_draws_fewer_zero_variance_prompts_on_a_small_pool(tmp_path):
-    """Once the pool has been seen, all-equal prompts (sigma_hat = 0 -> the floor) are drawn less."""
-    is_grpo.main(small_args(is_grpo, tmp_path, steps=12, train_size=16, eval_every=0))
+    def recorded_update(sigma_hat, chosen, group_std, decay):
+        updates.append((chosen.copy(), group_std.copy(), decay))
+        update(sigma_hat, chosen, group_std, decay)
+
+    monkeypatch.setattr(is_grpo, "draw_prompts", recorded_draw)
+    monkeypatch.setattr(is_grpo, "update_sigma", recorded_update)
+    is_grpo.main(small_args(is_grpo, tmp_path, steps=12, train_size=16, eval_every=0, sigma_decay=0.0))
     rows = read_metrics(tmp_path / "run")[1:]
     assert rows[-1]["sampling/seen_frac"] == 1.0 and rows[-1]["sampling/q_cv"] > 0.2
-    assert all(r["sampling/distinct_prompts"] <= 8 for r in rows)
+    per_prompt = {"floor": [], "signal": []}
+    for sigma_hat, chosen in draws:
+        if not np.isnan(sigma_hat).any():  # the pool has been seen: q is the estimates'
+            floor = sigma_hat <= 0.05
+            per_prompt["floor"].append(np.isin(chosen, np.flatnonzero(floor)).sum() / max(floor.sum(), 1))
+            per_prompt["signal"].append(np.isin(chosen, np.flatnonzero(~floor)).sum() / max((~floor).sum(), 1))
+    assert len(per_prompt["floor"]) >= 4 and np.mean(per_prompt["floor"]) < 0.5 * np.mean(per_prompt["signal"])
+    assert {decay for *_, decay in updates} == {0.0}
+    replayed = np.full(16, np.nan)
+    for chosen, group_std, decay in updates:
+        update(replayed, chosen, group_std, decay)
+    saved = torch.load(sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1] / "state.pt", weights_only=True)
+    assert np.array_equal(saved["extra"]["sigma_hat"].numpy(), replayed, equal_nan=True)
+    last_visit = {x: group_std[chosen == x].mean() for chosen, group_std, _ in updates for x in chosen}  # decay 0
+    assert all(replayed[x] == pytest.approx(std) for x, std in last_visit.items())
 
 
 def test_is_grpo_resume_restores_the_sigma_estimates(tmp_path):
@@ -156,7 +178,19 @@ def test_is_grpo_resume_restores_the_sigma_estimates(tmp_path):
     assert state_dicts_equal(latest_weights(tmp_path / "cut" / "run"), latest_weights(tmp_path / "full" / "run"))
 
 
-def test_prompt_weighting_ablation_runs_and_keeps_uniform_prompts(tmp_path):
-    is_grpo.main(small_args(is_grpo, tmp_path, steps=2, prompt_weighting=True, eval_every=0))
-    rows = read_metrics(tmp_path / "run")[1:]
-    assert all(r["sampling/distinct_prompts"] == 8 for r in rows)
+def test_prompt_weighting_turns_group_std_into_batch_std_normalisation():
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1])  # group stds 0.5, 0.577, 0
+    centred = rewards.view(3, 4) - rewards.view(3, 4).mean(1, keepdim=True)
+    stds = rewards.view(3, 4).std(1)
+    plain = is_grpo.is_advantages(rewards, 4, prompt_weighting=False)
+    assert plain.tolist() == pytest.approx((centred / (stds[:, None] + 1e-4)).flatten().tolist())
+    weighted = is_grpo.is_advantages(rewards, 4, prompt_weighting=True)
+    assert weighted.tolist() == pytest.approx((centred / stds.mean()).flatten().tolist(), rel=1e-3)
+
+
+def test_the_prompt_weighting_ablation_draws_grpos_batch_and_weights_its_advantages(tmp_path):
+    is_grpo.main(small_args(is_grpo, tmp_path / "ablation", steps=1, prompt_weighting=True, eval_every=0))
+    grpo.main(small_args(grpo, tmp_path / "grpo", steps=1, eval_every=0))
+    ablation, plain = read_metrics(tmp_path / "ablation" / "run")[1], read_metrics(tmp_path / "grpo" / "run")[1]
+    assert ablation["sampling/distinct_prompts"] == 8 and ablation["reward/mean"] == plain["reward/mean"]  # the same batch
+    assert ablation["policy/grad_norm"] != pytest.approx(plain["policy/grad_norm"], rel=1e-3)  # other advantages

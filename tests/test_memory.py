@@ -10,6 +10,7 @@ from conftest import assert_same_samples, latest_weights, small_args, state_dict
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import async_grpo
+import gapo
 import grpo
 import ppo
 from common.logging import read_metrics
@@ -136,13 +137,14 @@ def test_a_lora_target_the_model_lacks_is_one_line_naming_the_layers_it_has(tmp_
         grpo.main(small_args(grpo, tmp_path, steps=1, lora_target_modules="q_proj,nosuch_proj", **LORA))
 
 
-@pytest.mark.parametrize("script", [grpo, ppo], ids=lambda m: m.__name__)
-def test_with_top_p_the_reference_is_scored_under_the_policys_truncation(tmp_path, script):
+@pytest.mark.parametrize("script, truncation", [(grpo, dict(top_p=0.8)), (ppo, dict(top_p=0.8)), (gapo, dict(top_k=3))],
+                         ids=["grpo-top_p", "ppo-top_p", "gapo-top_k"])
+def test_with_top_p_or_top_k_the_reference_is_scored_under_the_policys_truncation(tmp_path, script, truncation):
     """At equal weights (LoRA's B = 0: the same model, the same kernels, adapters adding exactly 0) the KL to pi_ref is
-    exactly 0 at top-p too: both are the top-p-truncated distributions, each renormalised, the scored token kept. Scoring
-    pi_ref on its full distribution instead gives log(kept mass) per token, > 0 at the first step."""
+    exactly 0 under truncation too: both are the truncated distributions, each renormalised, the scored token kept.
+    Scoring pi_ref on its full distribution instead gives log(kept mass) per token, > 0 at the first step."""
     extra = dict(prompts_per_step=16, num_generations=1, minibatches=2, ppo_epochs=1) if script is ppo else {}
-    script.main(small_args(script, tmp_path, task="add", steps=1, eval_every=0, top_p=0.8, **LORA, **extra))
+    script.main(small_args(script, tmp_path, task="add", steps=1, eval_every=0, **truncation, **LORA, **extra))
     assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == 0.0
 
 

@@ -95,8 +95,10 @@ def test_ppo_smoke_run_with_a_value_head_logs_the_shared_and_ppo_metrics(tmp_pat
     assert latest_weights(tmp_path / "run").num_parameters() > 0
 
 
-def test_ppo_resume_with_a_separate_critic_ends_like_an_uninterrupted_run(tmp_path):
-    flags = dict(critic="separate", save_every=2, **PPO_SMALL)
+@pytest.mark.parametrize("critic", ["head", "separate"])
+def test_ppo_resume_ends_like_an_uninterrupted_run(tmp_path, critic):
+    """Bit for bit, by construction: the value head (and a separate critic) and the adaptive beta are in state.pt."""
+    flags = dict(critic=critic, save_every=2, adaptive_kl_target=0.01, **PPO_SMALL)
     ppo.main(small_args(ppo, tmp_path / "full", steps=4, **flags))
     ppo.main(small_args(ppo, tmp_path / "cut", steps=2, **flags))
     ppo.main(small_args(ppo, tmp_path / "cut", steps=4, resume=str(tmp_path / "cut" / "run"), **flags))
@@ -126,10 +128,60 @@ def test_ppo_refuses_bad_input_before_building_a_model(tmp_path, monkeypatch, ov
         ppo.main(small_args(ppo, tmp_path, **args))
 
 
-def test_ppo_runs_under_accelerate_with_two_processes(tmp_path):
-    out = launch_two_processes("ppo.py", "--steps", "2", "--prompts-per-step", "32", "--minibatches", "2", "--ppo-epochs", "2",
+def test_two_processes_give_the_same_run_as_one(tmp_path):
+    """Prompts sharded, gradients averaged, the token means and the whitening of rewards and advantages over the global
+    batch: two processes take one process's steps. One minibatch per epoch (each process shuffles its own rows, so
+    several minibatches would group the rows otherwise)."""
+    flags = dict(steps=2, prompts_per_step=16, num_generations=1, minibatches=1, ppo_epochs=2, whiten_rewards=True,
+                 eval_every=1)
+    argv = [x for k, v in flags.items() for x in ([f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)]))]
+    out = launch_two_processes("ppo.py", *argv,
                                "--eval-prompts", "16", "--eval-samples", "4", "--eval-k", "2", "--device", "cpu",
-                               "--output-dir", str(tmp_path), "--run-name", "run")
+                               "--output-dir", str(tmp_path / "two"), "--run-name", "run")
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[1]["policy/ratio_mean"] > 0
+    ppo.main(small_args(ppo, tmp_path / "one", **flags))
+    one, two = read_metrics(tmp_path / "one" / "run"), read_metrics(tmp_path / "two" / "run")
+    for a, b in zip(without_timing(one), without_timing(two)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    assert state_dicts_equal(latest_weights(tmp_path / "one" / "run"), latest_weights(tmp_path / "two" / "run"), atol=1e-4)
+
+
+# ---------------------------------------------------------------- what each PPO flag changes
+def ppo_inputs(**overrides):
+    """Two completions of 3 tokens, the second cut at the budget (no EOS), beta 0, V = 0."""
+    args = ppo.Args(kl_coef=0.0, gamma=1.0, lam=1.0, **overrides)
+    mask = torch.ones(2, 3)
+    zeros = torch.zeros(2, 3)
+    return dict(task_scores=torch.tensor([1.0, 0.5]), finished=torch.tensor([True, False]), old_logps=zeros, ref_logps=None,
+                old_values=zeros, mask=mask, kl_coef=0.0, args=args)
+
+
+def test_no_eos_penalty_replaces_the_score_of_a_completion_that_never_ended():
+    _, returns = ppo.advantages_and_returns(**ppo_inputs(no_eos_penalty=-1.0))
+    assert returns[:, 0].tolist() == [1.0, -1.0]  # gamma = lam = 1, V = 0: the return at t = 0 is the score
+    _, returns = ppo.advantages_and_returns(**ppo_inputs(no_eos_penalty=None))
+    assert returns[:, 0].tolist() == [1.0, 0.5]
+
+
+def test_whiten_rewards_scales_the_per_token_rewards_to_unit_std_keeping_their_mean():
+    inputs = ppo_inputs(no_eos_penalty=None, whiten_rewards=True)
+    _, returns = ppo.advantages_and_returns(**inputs)
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.5]])  # the scores at the last tokens
+    whitened = (rewards - rewards.mean()) / rewards.std() + rewards.mean()
+    assert returns[:, 0].tolist() == pytest.approx(whitened.sum(-1).tolist(), rel=1e-5)
+
+
+def test_the_entropy_bonus_subtracts_ent_coef_times_the_mean_entropy():
+    zeros, entropy = torch.zeros(1, 2), torch.tensor([[0.6, 1.0]])
+    inputs = (zeros, zeros, zeros, zeros, zeros, zeros, entropy, torch.ones(1, 2))
+    without, _ = ppo.ppo_loss(*inputs, ppo.Args(ent_coef=0.0), 2)
+    with_bonus, _ = ppo.ppo_loss(*inputs, ppo.Args(ent_coef=0.5), 2)
+    assert (with_bonus - without).item() == pytest.approx(-0.5 * 0.8)
+
+
+def test_target_kl_stops_the_epochs_once_the_approximate_kl_passes_it(tmp_path):
+    """The first epoch's second minibatch is off-policy (r != 1), so its approximate KL is > 0 > 1e-12: one epoch of 4."""
+    ppo.main(small_args(ppo, tmp_path, steps=1, eval_every=0, target_kl=1e-12, **{**PPO_SMALL, "ppo_epochs": 4}))
+    assert read_metrics(tmp_path / "run")[1]["policy/epochs"] == 1.0

@@ -51,6 +51,21 @@ def write(tmp_path, name, rows, jsonl=True):
     return str(path)
 
 
+def test_the_format_reward_shapes_gsm8k_scoring_when_weighted_beside_it(tmp_path):
+    """--reward common.tasks:gsm8k_reward common.tasks:gsm8k_format_reward --reward-weights 1 0.2: a right answer after
+    '####' scores 1.2, a wrong one 0.2, a right last number without the marker 1 (gsm8k_reward reads the last number
+    then): the shaping rewards the format only."""
+    from types import SimpleNamespace
+
+    task = load_task("gsm8k", write(tmp_path, "g.jsonl", GSM8K_ROWS), num_test=2, rewards=[
+        "common.tasks:gsm8k_reward", "common.tasks:gsm8k_format_reward"], reward_weights=[1.0, 0.2])
+    texts = ["3 + 4 = 7\n#### 7", "#### 8", "the answer is 7"]
+    parts = {}
+    rewards, successes = task.score(SimpleNamespace(texts=texts, rewards=None), ["7"] * 3, task.train.select([0]), parts)
+    assert rewards == pytest.approx([1.2, 0.2, 1.0]) and successes == [True, False, True]
+    assert parts == {"gsm8k_reward": [1.0, 0.0, 1.0], "gsm8k_format_reward": [1.0, 1.0, 0.0]}
+
+
 def test_gsm8k_from_a_local_jsonl_file_holds_out_the_last_rows(tmp_path):
     task = load_task("gsm8k", write(tmp_path, "g.jsonl", GSM8K_ROWS), num_test=2)
     assert len(task.train) == 2 and len(task.test) == 2

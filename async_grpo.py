@@ -64,7 +64,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import Rollout, evaluate, rollout, rollout_to, token_logprobs
+from common.rollout import Rollout, evaluate, micro_batches, rollout, rollout_to, token_logprobs
 from common.tasks import load_task
 
 
@@ -173,7 +173,10 @@ class Args:
     num_iterations: int = 1
     """optimisation passes over each batch, pi_old fixed; > 1 makes the clip on u bind"""
     minibatches: int = 1
-    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    """micro-batches per pass, each of whole groups (gradient accumulation; one optimiser step per pass, the same update)"""
+    microbatch_tokens: int | None = None
+    """or micro-batches by a token budget (verl's ppo_max_token_len_per_gpu): groups of like lengths, each micro-batch
+    within this many tokens (its prompts once, its completions padded to its longest); the same update, less memory"""
     eps_low: float = 0.2
     """lower clip range: ratios below 1 - eps_low are clipped when A < 0"""
     eps_high: float = 0.2
@@ -209,6 +212,7 @@ class Args:
 
 # Flags that may differ between a run and its resumption.
 RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
+             "microbatch_tokens", "generation_batch_size",
              "generator_threads", "learner_threads", "queue_size", "generator_device"}
 
 
@@ -242,8 +246,9 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     check(args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1 (got {args.prompts_per_step})")
-    rows = args.prompts_per_step * args.num_generations
-    check(1 <= args.minibatches <= rows, f"--minibatches must be in [1, {rows}] (the completions per step), got {args.minibatches}")
+    check(1 <= args.minibatches <= args.prompts_per_step,
+          f"--minibatches must be in [1, {args.prompts_per_step}] (micro-batches hold whole groups), got {args.minibatches}")
+    check(args.microbatch_tokens is None or args.microbatch_tokens >= 1, "--microbatch-tokens must be >= 1")
     check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
     check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
           "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
@@ -495,65 +500,67 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     return loss, stats
 
 
-def behaviour_diagnostics(old_logps, behav_logps, mask) -> dict[str, float]:
-    """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens."""
-    m = mask.bool()
-    w = torch.exp(old_logps - behav_logps)[m]
+def behaviour_diagnostics(old_logps, behav_logps) -> dict[str, float]:
+    """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens (log-probs of those tokens)."""
+    w = torch.exp(old_logps - behav_logps)
     return {
         "offpolicy/behaviour_ratio_mean": w.mean().item(),
         "offpolicy/behaviour_ratio_max": w.max().item(),
         "offpolicy/behaviour_ratio_std": w.std().item() if len(w) > 1 else 0.0,
-        "offpolicy/behaviour_kl": kl_estimate(behav_logps, old_logps, "k3")[m].mean().item(),  # KL(mu || pi_old), samples of mu
+        "offpolicy/behaviour_kl": kl_estimate(behav_logps, old_logps, "k3").mean().item(),  # KL(mu || pi_old), samples of mu
         "offpolicy/ess": (w.sum() ** 2 / (len(w) * (w**2).sum())).item(),  # (sum w)^2 / (n sum w^2), 1 = on-policy
     }
 
 
 def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args,
              step: int) -> dict[str, float]:
-    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    """num_iterations passes over the batch, each one optimiser step accumulated over micro-batches of whole groups.
     pi_old is the learner's policy before the update: the first pass's log-probs. m2po needs the whole
     batch's second moment at the current weights before each pass's first gradient, so it gets them
     from an extra no-grad pass (on the first pass these are pi_old's)."""
     mask = batch.completion_mask
-    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
-    # attention on model and environment tokens; the loss on the model's (mask) only
-    inputs = [(batch.prompt_ids[r], batch.prompt_mask[r], batch.completion_ids[r], batch.attention_mask[r]) for r in chunks]
-    old_logps, behav_logps, ref_logps, kl_ref, entropy = {}, {}, {}, 0.0, 0.0
+    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens)
+    ref_logps = [None] * len(micro)
+    if ref is not None:  # pi_ref first (its logits never beside the policy's graph), under pi_theta's truncation
+        with torch.no_grad():
+            ref_logps = [token_logprobs(ref, *mb.inputs, args.temperature, False, args.top_k, args.top_p)[0] for mb in micro]
+    old_logps, behav_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
 
     def set_pi_old(j: int, logps: torch.Tensor) -> None:  # and mu: on a batch of staleness 0, mu is pi_old
         old_logps[j] = logps.detach()
-        behav_logps[j] = batch.logprobs[chunks[j]] if stale else old_logps[j]
+        behav_logps[j] = micro[j].logprobs if stale else old_logps[j]
 
-    def m2po_keep() -> torch.Tensor:  # M from (log pi_theta / mu)^2 at the weights of this pass
+    def m2po_keep() -> list[torch.Tensor]:  # M from (log pi_theta / mu)^2 at the weights of this pass, over the batch
         with torch.no_grad():
-            now = [token_logprobs(policy, *x, args.temperature, False, args.top_k, args.top_p)[0] for x in inputs]
+            now = [token_logprobs(policy, *mb.inputs, args.temperature, False, args.top_k, args.top_p)[0] for mb in micro]
         for j, logps in enumerate(now):
             if j not in old_logps:
                 set_pi_old(j, logps)
-        return m2po_mask(torch.cat(now) - torch.cat([behav_logps[j] for j in range(len(chunks))]), mask, args.m2po_threshold)
+        def widen(x):  # micro-batches are trimmed: back to the batch's width for the mask over the whole batch
+            return torch.nn.functional.pad(x, (0, mask.shape[1] - x.shape[1]))
+
+        keep = m2po_mask(torch.cat([widen(now[j] - behav_logps[j]) for j in range(len(micro))]),
+                         torch.cat([widen(mb.completion_mask) for mb in micro]), args.m2po_threshold)
+        return [k[:, : mb.completion_mask.shape[1]] for k, mb in zip(keep.split([len(mb.rows) for mb in micro]), micro)]
 
     num_tokens = mask.sum()
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
-        keep = m2po_keep() if args.correction == "m2po" else None
-        for j, rows in enumerate(chunks):
-            logps, token_entropy = token_logprobs(policy, *inputs[j], args.temperature, iteration == 0, args.top_k, args.top_p)
+        keep = m2po_keep() if args.correction == "m2po" else [None] * len(micro)
+        for j, mb in enumerate(micro):  # attention on model and environment tokens; the loss on the model's only
+            logps, token_entropy = token_logprobs(policy, *mb.inputs, args.temperature, iteration == 0, args.top_k, args.top_p)
             if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
                 if j not in old_logps:
                     set_pi_old(j, logps)
-                entropy += (token_entropy.detach() * mask[rows]).sum()
+                entropy += (token_entropy * mb.completion_mask).sum()
                 if ref is not None:
-                    with torch.no_grad():
-                        # pi_ref scored under the truncation pi_theta is: at equal weights the KL is 0
-                        ref_logps[j], _ = token_logprobs(ref, *inputs[j], args.temperature, False, args.top_k, args.top_p)
-                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
-            turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
-            loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps.get(j), advantages[rows],
-                                          mask[rows], args, mask.shape[0], num_tokens,
-                                          keep[rows] if keep is not None else None, turn_ids, batch.max_turns)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mb.completion_mask).sum()
+            loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps[j], advantages[mb.rows],
+                                          mb.completion_mask, args, mask.shape[0], num_tokens, keep[j], mb.turn_ids,
+                                          batch.max_turns)
             accelerator.backward(loss)
             stats.append({**step_stats, "loss": loss.detach()})
-        pass_loss = sum(s["loss"] for s in stats[-len(chunks):])  # this pass's loss: no NaN reaches the weights
+        pass_loss = sum(s["loss"] for s in stats[-len(micro):])  # this pass's loss: no NaN reaches the weights
         grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
 
     token_passes = max(num_tokens.item(), 1) * args.num_iterations
@@ -568,8 +575,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
         "offpolicy/mask_frac": sum(s["masked"] for s in stats).item() / token_passes,
-        **behaviour_diagnostics(torch.cat([old_logps[j] for j in range(len(chunks))]),
-                                torch.cat([behav_logps[j] for j in range(len(chunks))]), mask),
+        **behaviour_diagnostics(torch.cat([old_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)]),
+                                torch.cat([behav_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)])),
     }
     if ref is not None:
         metrics["policy/kl_ref"] = float(kl_ref) / mask.sum().item()

@@ -55,7 +55,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, rollout, token_logprobs
+from common.rollout import evaluate, micro_batches, rollout, token_logprobs
 from common.tasks import load_task
 
 
@@ -137,7 +137,10 @@ class Args:
     num_iterations: int = 2
     """optimisation passes over each batch, pi_old fixed; 2 by default so that the adaptive bound acts"""
     minibatches: int = 1
-    """micro-batches per pass (gradient accumulation; one optimiser step per pass, the same update)"""
+    """micro-batches per pass, each of whole groups (gradient accumulation; one optimiser step per pass, the same update)"""
+    microbatch_tokens: int | None = None
+    """or micro-batches by a token budget (verl's ppo_max_token_len_per_gpu): groups of like lengths, each micro-batch
+    within this many tokens (its prompts once, its completions padded to its longest); the same update, less memory"""
     ratio_level: Literal["sequence", "token"] = "token"
     """token: per-token ratio; sequence: length-normalised sequence ratio (the paper's main form)"""
     eps_low: float | None = None
@@ -172,7 +175,8 @@ class Args:
 
 
 # Flags that may differ between a run and its resumption.
-RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
+             "microbatch_tokens", "generation_batch_size"}
 
 
 def check_args(args: Args, num_processes: int) -> None:
@@ -189,9 +193,10 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     check(args.prompts_per_step >= 1 and args.prompts_per_step % num_processes == 0,
           f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the number of processes ({num_processes})")
-    local_rows = args.prompts_per_step // num_processes * args.num_generations
-    check(1 <= args.minibatches <= local_rows,
-          f"--minibatches must be in [1, {local_rows}] (the completions per process per step), got {args.minibatches}")
+    local_prompts = args.prompts_per_step // num_processes
+    check(1 <= args.minibatches <= local_prompts, f"--minibatches must be in [1, {local_prompts}] (micro-batches hold whole "
+                                                  f"groups: the prompts per process per step), got {args.minibatches}")
+    check(args.microbatch_tokens is None or args.microbatch_tokens >= 1, "--microbatch-tokens must be >= 1")
     check(1 <= args.eval_k <= args.eval_samples, f"--eval-k must be in [1, --eval-samples={args.eval_samples}] (got {args.eval_k})")
     check(args.eval_every >= 0 and args.save_every >= 1 and args.eval_prompts >= 1,
           "--eval-every must be >= 0, --save-every and --eval-prompts >= 1")
@@ -265,35 +270,36 @@ def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: 
 
 
 def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c, args: Args, step: int) -> dict[str, float]:
-    """num_iterations passes over the batch, each one optimiser step accumulated over minibatches.
+    """num_iterations passes over the batch, each one optimiser step accumulated over micro-batches of whole groups.
     pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
-    mask = batch.completion_mask
-    num_seqs = mask.shape[0] * accelerator.num_processes  # counts of the global batch
-    num_tokens = accelerator.reduce(mask.sum().float(), "sum")
-    chunks = torch.arange(mask.shape[0]).tensor_split(args.minibatches)
-    old_logps, ref_logps, kl_ref, entropy = {}, {}, 0.0, 0.0
+    num_seqs = batch.completion_mask.shape[0] * accelerator.num_processes  # counts of the global batch
+    num_tokens = accelerator.reduce(batch.completion_mask.sum().float(), "sum")
+    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens)
+    if args.microbatch_tokens and accelerator.num_processes > 1:  # as many forwards on every process (FSDP gathers in each)
+        most = int(accelerator.gather(torch.tensor([len(micro)], device=accelerator.device)).max())
+        micro = micro_batches(batch, args.num_generations, most, args.microbatch_tokens)
+    ref_logps = [None] * len(micro)
+    if ref is not None:  # pi_ref first (its logits never beside the policy's graph), under pi_theta's truncation
+        with torch.no_grad():
+            ref_logps = [token_logprobs(ref, *mb.inputs, args.temperature, False, args.top_k, args.top_p)[0] for mb in micro]
+    old_logps, kl_ref, entropy = {}, 0.0, 0.0
     stats, grad_norms = [], []
     for iteration in range(args.num_iterations):
-        for j, rows in enumerate(chunks):
-            # attention on model and environment tokens; the loss on the model's (mask) only
-            inputs = (batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], batch.attention_mask[rows])
-            logps, token_entropy = token_logprobs(policy, *inputs, args.temperature, iteration == 0, args.top_k, args.top_p)
+        for j, mb in enumerate(micro):  # attention on model and environment tokens; the loss on the model's only
+            logps, token_entropy = token_logprobs(policy, *mb.inputs, args.temperature, iteration == 0, args.top_k, args.top_p)
             if iteration == 0:  # the sampling weights: pi_old, and the diagnostics measured at them
                 old_logps[j] = logps.detach()
-                entropy += (token_entropy.detach() * mask[rows]).sum()
+                entropy += (token_entropy * mb.completion_mask).sum()
                 if ref is not None:
-                    with torch.no_grad():
-                        # pi_ref scored under the truncation pi_theta is: at equal weights the KL is 0
-                        ref_logps[j], _ = token_logprobs(ref, *inputs, args.temperature, False, args.top_k, args.top_p)
-                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mask[rows]).sum()
-            turn_ids = batch.turn_ids[rows] if batch.turn_ids is not None else None
-            loss, step_stats = gapo_loss(logps, old_logps[j], ref_logps.get(j), advantages[rows], eps_high[rows],
-                                         c[rows], mask[rows], args, num_seqs, num_tokens, turn_ids, batch.max_turns)
+                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mb.completion_mask).sum()
+            loss, step_stats = gapo_loss(logps, old_logps[j], ref_logps[j], advantages[mb.rows], eps_high[mb.rows],
+                                         c[mb.rows], mb.completion_mask, args, num_seqs, num_tokens, mb.turn_ids,
+                                         batch.max_turns)
             # DDP averages gradients over processes; the loss is already this process's share of the global sum
-            with nullcontext() if j == len(chunks) - 1 else accelerator.no_sync(policy):
+            with nullcontext() if j == len(micro) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
             stats.append({**step_stats, "loss": loss.detach()})
-        pass_loss = sum(s["loss"] for s in stats[-len(chunks):])  # this pass's loss: no NaN reaches the weights
+        pass_loss = sum(s["loss"] for s in stats[-len(micro):])  # this pass's loss: no NaN reaches the weights
         grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
 
     def total(values) -> float:  # summed over micro-batches, passes and processes

@@ -51,7 +51,7 @@ from common.logging import MetricsWriter, device_memory, print_summary, progress
 from common.losses import kl_estimate, masked_whiten
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
-from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout
+from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout, trimmed
 from common.tasks import load_task
 
 
@@ -334,12 +334,13 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
         order = torch.from_numpy(np.random.default_rng([args.seed, step, epoch]).permutation(mask.shape[0]))
         epoch_kl, epoch_tokens = 0.0, 0.0
         for rows in order.tensor_split(args.minibatches):
-            num_tokens = accelerator.reduce(mask[rows].sum().float(), "sum") / accelerator.num_processes
-            logits, values = model(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
-            logps, entropy = logprobs_from_logits(logits, batch.completion_ids[rows], args.temperature, True, True, args.top_k,
-                                                  args.top_p)
-            loss, minibatch_stats = ppo_loss(logps, old_logps[rows], values, old_values[rows], advantages[rows],
-                                             returns[rows], entropy, mask[rows], args, num_tokens)
+            mb = trimmed(batch, rows)  # no column of padding alone
+            T = mb.completion_mask.shape[1]
+            num_tokens = accelerator.reduce(mb.completion_mask.sum().float(), "sum") / accelerator.num_processes
+            logits, values = model(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+            logps, entropy = logprobs_from_logits(logits, mb.completion_ids, args.temperature, True, True, args.top_k, args.top_p)
+            loss, minibatch_stats = ppo_loss(logps, old_logps[rows, :T], values, old_values[rows, :T], advantages[rows, :T],
+                                             returns[rows, :T], entropy, mb.completion_mask, args, num_tokens)
             accelerator.backward(loss)  # DDP averages over processes; num_tokens is the per-process share
             grad_norms.append(optimizer_step(optimizer, accelerator, model, args.max_grad_norm, loss, step))
             stats.append(minibatch_stats)

@@ -250,6 +250,66 @@ def select_rows(batch: Rollout, rows: list[int]) -> Rollout:
     return _map_rollout(batch, pick)
 
 
+@dataclass
+class MicroBatch:
+    """Some rows of a rollout, trimmed to their own longest prompt and completion (no column of padding alone)."""
+    rows: torch.Tensor  # their indices in the rollout
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    attention_mask: torch.Tensor  # model and environment tokens (what the training forward attends to)
+    completion_mask: torch.Tensor  # the model's tokens (what the loss counts)
+    logprobs: torch.Tensor  # the behaviour log-probs recorded at sampling
+    turn_ids: torch.Tensor | None
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """What token_logprobs takes: attention on model and environment tokens (the loss masks the latter)."""
+        return self.prompt_ids, self.prompt_mask, self.completion_ids, self.attention_mask
+
+
+def trimmed(batch: Rollout, rows: torch.Tensor) -> MicroBatch:
+    """The given rows, their prompts cut to the longest one among them (left padding) and their completions to the
+    longest one (right padding): the columns dropped are padding in every row, so the forward computes the same."""
+    rows = rows.to(batch.completion_ids.device)
+    prompt_mask, attention_mask = batch.prompt_mask[rows], batch.attention_mask[rows]
+    P = max(int(prompt_mask.sum(-1).max()), 1)
+    T = max(int(attention_mask.sum(-1).max()), 1)
+    return MicroBatch(rows, batch.prompt_ids[rows][:, -P:], prompt_mask[:, -P:], batch.completion_ids[rows][:, :T],
+                      attention_mask[:, :T], batch.completion_mask[rows][:, :T], batch.logprobs[rows][:, :T],
+                      batch.turn_ids[rows][:, :T] if batch.turn_ids is not None else None)
+
+
+def micro_batches(batch: Rollout, group_size: int, count: int = 1, max_tokens: int | None = None) -> list[MicroBatch]:
+    """The rollout's rows in micro-batches of whole groups (a group's rows share their prompt's forward), each trimmed
+    to its own longest prompt and completion. Groups are ordered by their longest completion, so that a micro-batch
+    holds groups of like lengths. `count` micro-batches of about equal numbers of groups; or, with max_tokens, as many
+    as keep each one's tokens (its prompts once a group, its rows' completions, padding included) within max_tokens, at
+    least `count` (a group alone may exceed it). Gradient accumulation over them gives the one-batch update as long as
+    the loss is normalised by the whole batch's counts (common/losses.py: aggregate)."""
+    groups = batch.completion_ids.shape[0] // group_size
+    longest = batch.attention_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
+    prompt = batch.prompt_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
+    order = sorted(range(groups), key=lambda g: -longest[g])
+
+    def tokens(pack: list[int]) -> int:  # what its forward computes: each prompt once, every row's completion, padded
+        return len(pack) * (max(prompt[g] for g in pack) + group_size * max(longest[g] for g in pack))
+
+    if max_tokens is None:
+        packs = [chunk.tolist() for chunk in torch.tensor(order).tensor_split(min(count, groups))]
+    else:
+        packs = [[]]
+        for g in order:
+            if packs[-1] and tokens(packs[-1] + [g]) > max_tokens:
+                packs.append([])
+            packs[-1].append(g)
+        while len(packs) < min(count, groups):  # at least `count`: halve the largest
+            i = max(range(len(packs)), key=lambda i: len(packs[i]))
+            packs[i : i + 1] = [packs[i][: len(packs[i]) // 2], packs[i][len(packs[i]) // 2 :]]
+    return [trimmed(batch, torch.tensor([g * group_size + r for g in sorted(pack) for r in range(group_size)]))
+            for pack in packs]
+
+
 def rollout_to(batch: Rollout, device) -> Rollout:
     """The rollout's tensors on `device` (a generator on its own device hands its batch to the learner; the
     copy runs in the generator's thread, so the learner never waits for it; same device: no copy)."""
@@ -278,9 +338,71 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool = False):
-    """Logits at the positions that predict completion tokens y_1..y_T (B, T, V), with the same
-    positions and mask as at sampling; and the last layer's hidden states there (B, T, H) if asked."""
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first row of each distinct prompt, the distinct prompt of each row), or None if no two rows share a prompt."""
+    distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    if len(distinct) == len(rows):
+        return None
+    B = len(rows)
+    first = torch.full((len(distinct),), B, device=rows.device).scatter_reduce(0, rows, torch.arange(B, device=rows.device), "amin")
+    return first, rows
+
+
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool = False,
+                      share_prompts: bool = True):
+    """Logits at the positions that predict completion tokens y_1..y_T (B, T, V), with the same positions and mask
+    as at sampling; and the last layer's hidden states there (B, T, H) if asked.
+
+    A group's G rows share one prompt: it runs once, and its keys and values serve the G completions (the cache is
+    index-selected, so autograd sums the G rows' gradients into the prompt's), as verl's "prefix grouper" does. The
+    arithmetic of the prompt tokens is then done once a group instead of G times: exact up to rounding. It needs a
+    model that returns a KV cache in training mode, which transformers refuses under gradient checkpointing: there
+    (and with share_prompts=False, or no shared prompt) every row runs its prompt, in one forward."""
+    shared = distinct_prompts(prompt_ids, prompt_mask) if share_prompts and _caches_in_training(model) else None
+    if shared is None:
+        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden)
+    first, rows = shared
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    # 1. each distinct prompt once: its cache, and the logits at its last position, which predict y_1
+    position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    keep = {"logits_to_keep": torch.tensor([P - 1], device=prompt_ids.device)} if _accepts(model, "logits_to_keep") else {}
+    head = getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    out = head(input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=position[first], use_cache=True,
+               output_hidden_states=with_hidden, **keep)  # (DDP: one forward through its wrapper per backward, the next)
+    cache = _cache_of(out)
+    if not hasattr(cache, "reorder_cache"):  # not a transformers cache: no sharing
+        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden)
+    cache.reorder_cache(rows)  # row b takes its prompt's keys and values; backward sums the G rows into them
+    # 2. the completions, attending to their prompt's keys and values: logits at the positions predicting y_2..y_T
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+    keep = {"logits_to_keep": torch.arange(T - 1, device=prompt_ids.device)} if keep else {}
+    cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"
+    rest = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                 output_hidden_states=with_hidden, **{cache_kw: cache}, **keep)
+    first_logits = out.logits[:, -1:][rows]
+    logits = torch.cat([first_logits, rest.logits if keep else rest.logits[:, : T - 1]], dim=1)
+    hidden = None
+    if with_hidden:
+        hidden = torch.cat([out.hidden_states[-1][:, -1:][rows], rest.hidden_states[-1][:, : T - 1]], dim=1)
+    return logits, hidden
+
+
+def _caches_in_training(model) -> bool:
+    """Whether a forward returns a KV cache in the mode the model is in: transformers drops the cache of a model
+    that checkpoints its activations in training mode."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    checkpointing = getattr(inner, "is_gradient_checkpointing", False) and inner.training
+    return not checkpointing and (_accepts(model, "past_key_values") or _accepts(model, "cache"))
+
+
+def _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool):
+    """Every row's prompt and completion in one forward, logits at the T predicting positions only."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -314,11 +436,12 @@ def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy:
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                   with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, top_k: int = 0, top_p: float = 1.0,
+                   share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature) (truncated to top_k /
     top_p when the sampler was), with the same positions and mask as at sampling; and the entropy of that
     distribution if asked (a diagnostic, without a gradient)."""
-    logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=share_prompts)
     return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False, top_k=top_k, top_p=top_p)
 
 

@@ -139,6 +139,7 @@ def autocast_forward(model, dtype: str):
             return forward(self, *args, **kwargs)
 
     model.forward = MethodType(forward_in_dtype, model)
+    model.autocast_dtype = DTYPES[dtype]  # for the output layer applied apart from forward (common/rollout.py)
     return model
 
 

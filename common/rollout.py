@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -121,6 +122,36 @@ def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
     return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
 
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in buffers as long as the whole rollout, filled in place: a decode step writes its
+    position, where transformers' DynamicLayer concatenates, copying the whole cache at every step (a third of a
+    SmolLM2 decode step at batch 16 on a CPU); attention reads a view of the positions filled so far."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int):
+        super().__init__()
+        B, H, L, D = keys.shape
+        self.key_buffer, self.value_buffer = keys.new_empty(B, H, L + extra, D), values.new_empty(B, H, L + extra, D)
+        self.key_buffer[:, :, :L], self.value_buffer[:, :, :L] = keys, values
+        self.length, self.device, self.is_initialized = L, keys.device, True
+        self.keys, self.values = self.key_buffer[:, :, :L], self.value_buffer[:, :, :L]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[:, :, self.length : end], self.value_buffer[:, :, self.length : end] = key_states, value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def preallocated(cache, extra: int) -> None:
+    """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
+    place (any other cache is left as it is)."""
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
+        for i, layer in enumerate(layers):
+            layers[i] = PreallocatedLayer(layer.keys, layer.values, extra)
+
+
 def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits (..., V) set to -inf outside the top_k largest and outside the smallest set of most likely tokens
     whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). Ties are
@@ -161,24 +192,28 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
-           pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+           pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
+           preallocate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
     with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
-    truncated to top_k / top_p and renormalised."""
+    truncated to top_k / top_p and renormalised. The KV cache is preallocated for the whole rollout
+    (preallocated(); preallocate=False keeps transformers' growing cache)."""
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"  # transformers 5 renamed it
     prefill = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
     # each distinct prompt is run once (a group repeats its prompt G times); every row then gets its prompt's cache
-    distinct, rows = torch.unique(torch.cat([prompt_ids, mask], dim=1), dim=0, return_inverse=True)
-    if len(distinct) < B:
-        first = torch.full((len(distinct),), B, device=rows.device).scatter_reduce(0, rows, torch.arange(B, device=rows.device), "amin")
+    shared = distinct_prompts(prompt_ids, mask)
+    if shared is not None:
+        first, rows = shared
         logits, cache = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
         logits = logits[rows]
         cache.reorder_cache(rows)  # index_select along the batch: row b takes the cache of prompt rows[b]
     else:
         logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
+    if preallocate:
+        preallocated(cache, max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs = [], []
@@ -353,43 +388,43 @@ def _cache_of(out):
 
 
 def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool = False,
-                      share_prompts: bool = True):
+                      share_prompts: bool = True, logits: bool = True):
     """Logits at the positions that predict completion tokens y_1..y_T (B, T, V), with the same positions and mask
-    as at sampling; and the last layer's hidden states there (B, T, H) if asked.
+    as at sampling; and the last layer's hidden states there (B, T, H) if asked. With logits=False the model computes
+    no logits (None in their place): the caller applies the output layer itself (token_logprobs).
 
     A group's G rows share one prompt: it runs once, and its keys and values serve the G completions (the cache is
     index-selected, so autograd sums the G rows' gradients into the prompt's), as verl's "prefix grouper" does. The
-    arithmetic of the prompt tokens is then done once a group instead of G times: exact up to rounding. It needs a
+    arithmetic of the prompt tokens is then done once a group instead of G times: exact up to rounding. (The prompt's
+    last token runs with each row, so that one forward gives all T logits, with no copy of them.) It needs a
     model that returns a KV cache in training mode, which transformers refuses under gradient checkpointing: there
     (and with share_prompts=False, or no shared prompt) every row runs its prompt, in one forward."""
-    shared = distinct_prompts(prompt_ids, prompt_mask) if share_prompts and _caches_in_training(model) else None
+    shared = None
+    if share_prompts and prompt_ids.shape[1] > 1 and _caches_in_training(model):
+        shared = distinct_prompts(prompt_ids, prompt_mask)
     if shared is None:
-        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden)
+        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden, logits)
     first, rows = shared
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    # 1. each distinct prompt once: its cache, and the logits at its last position, which predict y_1
+    # 1. each distinct prompt once, but for its last token: the keys and values that the G completions attend to
     position = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    keep = {"logits_to_keep": torch.tensor([P - 1], device=prompt_ids.device)} if _accepts(model, "logits_to_keep") else {}
+    none = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=prompt_ids.device)}  # no logits: nothing predicted
     head = getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    out = head(input_ids=prompt_ids[first], attention_mask=prompt_mask[first], position_ids=position[first], use_cache=True,
-               output_hidden_states=with_hidden, **keep)  # (DDP: one forward through its wrapper per backward, the next)
-    cache = _cache_of(out)
+    out = head(input_ids=prompt_ids[first, : P - 1], attention_mask=prompt_mask[first, : P - 1],
+               position_ids=position[first, : P - 1], use_cache=True, **(none if _accepts(model, "logits_to_keep") else {}))
+    cache = _cache_of(out)  # (DDP: one forward through its wrapper per backward, the next one)
     if not hasattr(cache, "reorder_cache"):  # not a transformers cache: no sharing
-        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden)
+        return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden, logits)
     cache.reorder_cache(rows)  # row b takes its prompt's keys and values; backward sums the G rows into them
-    # 2. the completions, attending to their prompt's keys and values: logits at the positions predicting y_2..y_T
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
-    keep = {"logits_to_keep": torch.arange(T - 1, device=prompt_ids.device)} if keep else {}
+    # 2. per row, the prompt's last token and the completion but its last token: the T positions predicting y_1..y_T
+    input_ids = torch.cat([prompt_ids[:, P - 1 :], completion_ids[:, : T - 1]], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask[:, : T - 1]], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, P - 1 :]
+    keep = {"logits_to_keep": torch.arange(T if logits else 0, device=prompt_ids.device)} if _accepts(model, "logits_to_keep") else {}
     cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"
-    rest = model(input_ids=completion_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                 output_hidden_states=with_hidden, **{cache_kw: cache}, **keep)
-    first_logits = out.logits[:, -1:][rows]
-    logits = torch.cat([first_logits, rest.logits if keep else rest.logits[:, : T - 1]], dim=1)
-    hidden = None
-    if with_hidden:
-        hidden = torch.cat([out.hidden_states[-1][:, -1:][rows], rest.hidden_states[-1][:, : T - 1]], dim=1)
-    return logits, hidden
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                output_hidden_states=with_hidden, **{cache_kw: cache}, **keep)
+    return (out.logits if logits else None), (out.hidden_states[-1] if with_hidden else None)
 
 
 def _caches_in_training(model) -> bool:
@@ -401,7 +436,7 @@ def _caches_in_training(model) -> bool:
     return not checkpointing and (_accepts(model, "past_key_values") or _accepts(model, "cache"))
 
 
-def _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool):
+def _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool, logits: bool = True):
     """Every row's prompt and completion in one forward, logits at the T predicting positions only."""
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -413,26 +448,78 @@ def _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     # torch.matmul picks mm when the weight requires a gradient and bmm when it does not: the policy and a frozen
     # reference would then round differently, and their KL at equal weights would not be exactly 0.)
     predicting = torch.arange(L - T - 1, L - 1, device=input_ids.device)
-    keep = {"logits_to_keep": predicting} if _accepts(model, "logits_to_keep") else {}
+    keep = {"logits_to_keep": predicting if logits else predicting[:0]} if _accepts(model, "logits_to_keep") else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 output_hidden_states=with_hidden, **keep)
     hidden = out.hidden_states[-1][:, -T - 1 : -1] if with_hidden else None
-    return (out.logits if keep else out.logits[:, -T - 1 : -1]), hidden
+    return ((out.logits if keep else out.logits[:, -T - 1 : -1]) if logits else None), hidden
 
 
 def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = True,
                          top_k: int = 0, top_p: float = 1.0):
     """log softmax(logits / temperature) at the given tokens, truncated to top_k / top_p as the sampler was (the
     scored token kept); and the entropy of that distribution if asked (without a gradient if entropy_grad is
-    False: a diagnostic then costs no autograd memory)."""
-    logp_all = torch.log_softmax(truncate(logits.float() / (temperature or 1.0), top_k, top_p, keep=tokens), dim=-1)
-    logps = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    False: a diagnostic then costs no autograd memory). The vocabulary-wide passes run on a (rows x V) view, which
+    torch's CPU kernels run several times faster than on (B, T, V)."""
+    B, T, V = logits.shape
+    scaled = logits.float().reshape(B * T, V)
+    if temperature not in (0, 1):
+        scaled = scaled / temperature
+    truncated = top_k > 0 or top_p < 1.0
+    logp_all = torch.log_softmax(truncate(scaled, top_k, top_p, keep=tokens.reshape(-1)) if truncated else scaled, dim=-1)
+    logps = logp_all.gather(-1, tokens.reshape(-1, 1)).view(B, T)
     entropy = None
     if with_entropy:
         with nullcontext() if entropy_grad else torch.no_grad():
             p = logp_all.exp()  # 0 log 0 = 0 outside a truncated set (masked first: a NaN there would reach the gradient)
-            entropy = -(p * logp_all.masked_fill(p == 0, 0.0)).sum(-1)
+            entropy = -(p * (logp_all.masked_fill(p == 0, 0.0) if truncated else logp_all)).sum(-1).view(B, T)
     return logps, entropy
+
+
+def output_layer(model):
+    """The model's output layer (hidden states -> logits) and the autocast dtype its forward runs under, when it can be
+    applied apart from the model's forward: a transformers model, under DDP or peft (the output layer a plain Linear,
+    without adapters). None for anything else, and for a sharded (FSDP) model, whose weights exist whole only inside
+    its forward."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()
+    if type(head) is not torch.nn.Linear or (FSDPModule and any(isinstance(m, FSDPModule) for m in inner.modules())):
+        return None
+    return head, getattr(inner, "autocast_dtype", None)
+
+
+CHUNK_BYTES = 2**25  # logits of at most 32 MB at a time: small enough for the allocator to reuse, never a page fault
+
+
+def chunked_logprobs(head, autocast_dtype, hidden, tokens, temperature: float, with_entropy: bool, top_k: int, top_p: float):
+    """logprobs_from_logits(head(hidden), tokens, ...) a chunk of positions at a time: the (B, T, V) logits are never
+    held. Under autograd each chunk is checkpointed (only its hidden states are kept; its logits are computed again
+    in the backward pass, a third more arithmetic in the output layer), so the vocabulary-wide tensors of one chunk
+    exist at a time, in the forward and in the backward, as TRL's and Liger's chunked losses do."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, T, H = hidden.shape
+    flat, flat_tokens = hidden.reshape(B * T, H), tokens.reshape(-1)
+    rows = max(1, CHUNK_BYTES // (4 * head.out_features))
+    context = (lambda: torch.autocast(hidden.device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
+
+    def part(h, y):
+        with context():
+            logits = head(h)
+        return logprobs_from_logits(logits[None], y[None], temperature, with_entropy, False, top_k, top_p)
+
+    logps, entropy = [], []
+    for i in range(0, B * T, rows):
+        h, y = flat[i : i + rows], flat_tokens[i : i + rows]
+        lp, ent = checkpoint(part, h, y, use_reentrant=False) if torch.is_grad_enabled() and h.requires_grad else part(h, y)
+        logps.append(lp[0])
+        entropy.append(ent[0] if ent is not None else None)
+    return torch.cat(logps).view(B, T), (torch.cat(entropy).view(B, T) if with_entropy else None)
 
 
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
@@ -440,9 +527,16 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                    share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) of each completion token under softmax(logits / temperature) (truncated to top_k /
     top_p when the sampler was), with the same positions and mask as at sampling; and the entropy of that
-    distribution if asked (a diagnostic, without a gradient)."""
-    logits, _ = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, share_prompts=share_prompts)
-    return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False, top_k=top_k, top_p=top_p)
+    distribution if asked (a diagnostic, without a gradient). The output layer runs a chunk of positions at a time
+    (chunked_logprobs) where it can be applied apart from the model's forward (output_layer)."""
+    head = output_layer(model)
+    inputs = (model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if head is None:
+        logits, _ = completion_logits(*inputs, share_prompts=share_prompts)
+        return logprobs_from_logits(logits, completion_ids, temperature, with_entropy, entropy_grad=False, top_k=top_k,
+                                    top_p=top_p)
+    _, hidden = completion_logits(*inputs, with_hidden=True, share_prompts=share_prompts, logits=False)
+    return chunked_logprobs(*head, hidden, completion_ids, temperature, with_entropy, top_k, top_p)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

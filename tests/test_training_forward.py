@@ -109,3 +109,29 @@ def test_the_reference_runs_before_the_policy_so_its_logits_never_sit_beside_the
     grpo.optimise(policy, ref, torch.optim.SGD(policy.parameters(), lr=0.0), Accelerator(cpu=True), batch, advantages,
                   grpo.Args(minibatches=3, num_generations=4, max_new_tokens=8), step=1)
     assert order == ["ref"] * 3 + ["policy"] * 3
+
+
+@pytest.mark.parametrize("truncation", [dict(), dict(top_p=0.8)], ids=["full", "top_p"])
+def test_the_output_layer_a_chunk_at_a_time_gives_the_log_probs_entropy_and_gradient_of_the_whole(tokenizer, monkeypatch,
+                                                                                                   truncation):
+    """chunked_logprobs with chunks of 7 positions (the checkpointed chunks' logits recomputed in the backward pass)
+    against the output layer on all positions at once."""
+    import common.rollout
+
+    policy = load_policy(EMBEDDED, None, grpo.Args())
+    batch = groups_of(policy, tokenizer)
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.attention_mask)
+    results = {}
+    for chunked in (False, True):
+        monkeypatch.setattr(common.rollout, "CHUNK_BYTES", 7 * 4 * 61 if chunked else 2**40)  # 61: the vocabulary
+        policy.zero_grad()
+        logps, entropy = token_logprobs(policy, *inputs, 1.0, True, **truncation)
+        (logps * batch.completion_mask).sum().backward()
+        results[chunked] = logps.detach(), entropy, [p.grad.clone() for p in policy.parameters()]
+    (a, ent_a, grad_a), (b, ent_b, grad_b) = results[False], results[True]
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(ent_a, ent_b, atol=1e-6)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(grad_a, grad_b))
+    with torch.no_grad():
+        logits, _ = common.rollout.completion_logits(policy, *inputs)
+    plain, _ = common.rollout.logprobs_from_logits(logits, batch.completion_ids, **truncation)
+    assert torch.allclose(a, plain, atol=1e-6)  # and the model's own output layer computes the same

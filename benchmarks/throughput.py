@@ -112,15 +112,18 @@ class Args:
     real_max_new_tokens: int = 64
     real_dtype: str = "float32"
     real_device: str = "cpu"
+    baseline: str | None = None
+    """arm grpo_baseline: grpo.py of another checkout of postrl (say `git worktree add /tmp/before <commit>`) on the
+    same work, so that before and after are measured in one run, alternating"""
 
 
 # ---------------------------------------------------------------- children
-def run_child(argv: list[str], env: dict | None = None) -> tuple[float, float]:
+def run_child(argv: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[float, float]:
     """Run a child process; its wall seconds (start-up to exit) and peak RSS in MB. Its stderr goes to a file, not a
     pipe: a long run's progress bar would fill a pipe nobody reads until the child exits, and block it."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
         _, status, usage = os.wait4(proc.pid, 0)
         if status != 0:
             err.seek(0)
@@ -128,11 +131,13 @@ def run_child(argv: list[str], env: dict | None = None) -> tuple[float, float]:
     return time.perf_counter() - t0, usage.ru_maxrss / 1024
 
 
-def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str], work: Work = EMBEDDED_WORK) -> list[dict]:
-    """Per-step seconds of generation and training, and generated tokens, from the script's metrics."""
+def postrl_child(script: str, run_dir: Path, steps: int, extra: list[str], work: Work = EMBEDDED_WORK,
+                 root: Path = ROOT) -> list[dict]:
+    """Per-step seconds of generation and training, and generated tokens, from the script's metrics (the script of
+    the checkout at root: this one, or --baseline's)."""
     flags = ["--steps", str(steps), *NO_EVAL_NO_SAVE, *work.flags(), "--output-dir", str(run_dir.parent),
              "--run-name", run_dir.name, *extra]
-    wall, rss = run_child([sys.executable, script, *flags])
+    wall, rss = run_child([sys.executable, script, *flags], cwd=root)
     rows = [r for r in read_metrics(run_dir) if "time/train_s" in r]
     wait = "time/learner_wait_s" if script == "async_grpo.py" else "time/rollout_s"
     return [{"gen_s": r[wait], "train_s": r["time/train_s"], "samples": work.prompts * work.generations,
@@ -269,6 +274,8 @@ def med(values: list[float], fmt: str = ".3g") -> str:
 
 
 def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> None:
+    if args.baseline:
+        ARMS["grpo_baseline"] = lambda d, n, w: postrl_child("grpo.py", d, n, [], w, root=Path(args.baseline))
     results = {arm: [] for arm in args.arms}
     for i in range(args.rounds):
         for arm in args.arms:
@@ -278,7 +285,8 @@ def compare(args: Args, work: Work = EMBEDDED_WORK, name: str = "compare") -> No
             print(f"round {i} {arm}: {results[arm][-1]['samples_per_s']:.3g} samples/s", flush=True)
     name = args.name or name
     command = f"python benchmarks/throughput.py{' --mode real' if work.model != 'embedded' else ''} --rounds {args.rounds} " \
-              f"--warmup {args.warmup} --steps {args.steps}" + (f" --arms {' '.join(args.arms)} --name {name}" if args.name else "")
+              f"--warmup {args.warmup} --steps {args.steps}" + (f" --arms {' '.join(args.arms)} --name {name}" if args.name else "") + \
+              (f" --baseline {args.baseline}" if args.baseline else "")
     lines = [f"`{command}`: {work.model}, {work.prompts} prompts x {work.generations} completions, <= {work.max_new} new "
              f"tokens, {work.dtype} on {work.device}; median [min, max] over {args.rounds} rounds.", "",
              "| arm | samples/s | generated tokens/s | generation s/step | training s/step | peak RSS (MB) | GPU max allocated (MB) "

@@ -168,3 +168,24 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_it_keeps():
     for probs in ([0.4, 0.3, 0.3], [0.3, 0.4, 0.3], [0.3, 0.3, 0.4]):
         assert torch.isfinite(truncate(torch.log(torch.tensor([probs])), top_p=0.5)).all(), probs
     assert torch.isfinite(truncate(torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]])), top_p=0.5))[0].tolist() == [True, True, False, False]
+
+
+def test_a_preallocated_kv_cache_samples_what_the_growing_cache_does(tiny_model, tokenizer, monkeypatch):
+    """The cache holds the same keys and values, written in place instead of concatenated: the same tokens and
+    log-probs (up to rounding: attention reads a strided view of the buffer instead of a fresh tensor)."""
+    import common.rollout
+
+    made, layer = [], common.rollout.PreallocatedLayer
+    monkeypatch.setattr(common.rollout, "PreallocatedLayer", lambda *a: (made.append(1), layer(*a))[1])
+    ids, mask = encode_prompts(tokenizer, [p for p in PROMPTS for _ in range(3)], "cpu")
+    keys = [(4, i) for i in range(12)]
+    u = row_uniforms(keys, 12, "cpu")
+    runs = {}
+    for preallocate in (False, True):
+        tokens, logps = sample(tiny_model, ids, mask, 12, 1.0, [tokenizer.eos_token_id], tokenizer.pad_token_id, u,
+                               preallocate=preallocate)
+        cmask, finished = completion_mask(tokens, [tokenizer.eos_token_id])
+        runs[preallocate] = Rollout(ids, mask, tokens, cmask, logps * cmask, finished, [""] * 12)
+    assert_same_samples(tiny_model, runs[False], runs[True], keys, 12)
+    assert runs[True].completion_mask.sum(-1).max() > 6  # several decode steps through the preallocated cache
+    assert len(made) == tiny_model.config.num_hidden_layers  # one buffer per layer, for the second run only

@@ -64,7 +64,8 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import Rollout, evaluate, micro_batches, rollout, rollout_to, token_logprobs
+from common.rollout import evaluate, micro_batches, rollout, rollout_to, token_logprobs
+from common.sampling import Rollout
 from common.tasks import load_task
 
 

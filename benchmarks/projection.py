@@ -14,7 +14,7 @@ Per parameter P (bytes):
   LoRA                 4 P   the frozen base in float32 (2 P with --pure-dtype) + 2 P autocast copies (none with
                              --pure-dtype); adapters and their AdamW state ~1 % of that; the reference is free
   FSDP over N GPUs    16 P / N, + 2 P autocast copies (unsharded: saved for the backward), + 4 P while a rollout
-                             gathers the full weights (common/rollout.py: full_parameters) and the reference
+                             gathers the full weights (common/sampling.py: full_parameters) and the reference
                              unsharded (4 P, beta > 0)
 Per token of a training micro-batch (B rows x S = prompt + completion tokens), L layers, hidden h, MLP width I:
   activations        (10 h + 5 I) elements per layer (the two norms' inputs and outputs, q k v after RoPE, the

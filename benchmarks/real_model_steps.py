@@ -44,7 +44,8 @@ import grpo  # noqa: E402
 from common import word_problems  # noqa: E402
 from common.losses import group_advantages  # noqa: E402
 from common.models import eos_token_ids, load_model, load_reference, load_tokenizer, resolve_model  # noqa: E402
-from common.rollout import completion_mask, encode_prompts, row_uniforms, sample, token_logprobs  # noqa: E402
+from common.rollout import token_logprobs  # noqa: E402
+from common.sampling import completion_mask, encode_prompts, row_uniforms, sample  # noqa: E402
 from common.tasks import load_task  # noqa: E402
 
 ARMS = {"before": dict(share_prompts=False, preallocate=False), "after": dict(share_prompts=True, preallocate=True)}

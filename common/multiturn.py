@@ -18,7 +18,7 @@ not actions. The attention mask (Rollout.attention_mask) is 1 on both. The traje
 sum of the turn rewards (an outcome reward pays at the last turn only; a partial-progress reward
 pays per correct turn).
 
-Turn k is sampled with rollout.sample from the whole context so far (no KV cache kept across turns:
+Turn k is sampled with common.sampling.sample from the whole context so far (no KV cache kept across turns:
 contexts are short and the code stays obvious), with the noise key (*key, k): a trajectory does not
 depend on the others in its batch, as in single-turn sampling. It ends when the environment says
 done, after max_turns model turns, or when max_tokens tokens follow the prompt (a model turn or an
@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from common.rollout import Rollout, completion_mask, encode_prompts, row_uniforms, sample
+from common.sampling import Rollout, completion_mask, encode_prompts, row_uniforms, sample
 
 
 class Env(Protocol):

@@ -1,240 +1,20 @@
-"""Sampling completions and scoring tokens.
-
-Sampling is a plain KV-cached loop rather than `model.generate`, for three reasons a reader of the
-algorithms cares about:
-  * it records the behaviour log-probs log mu(y_t | .) of the exact distribution it sampled from
-    (softmax(logits / temperature), truncated to --top-k / --top-p if asked and renormalised; no hidden
-    top-k/top-p from a model's generation_config), and the training forward scores tokens under the same
-    truncation, so that the first pass's ratio is 1 (scoring the full distribution against truncated
-    behaviour log-probs would make it the kept mass, about 0.9 at top-p 0.8);
-  * each completion draws its randomness from its own key (seed, step, prompt index, g), so the
-    completions of a prompt do not depend on the batch size, on micro-batching or on how prompts
-    are sharded across processes, up to rounding: another batch pads and multiplies other shapes, which
-    moves the logits by ~1e-6 and flips a draw only when its uniform lies that close to a CDF boundary
-    (tests/conftest.py: assert_same_samples). A resumed run samples what the uninterrupted run sampled,
-    bit for bit: the same batches, the same kernels, the same weights;
-  * it stops as soon as every row has produced EOS.
-Token i of a completion is drawn by inverse-CDF sampling, y = min{v : cdf(v) > u_i}, u_i ~ U[0, 1).
+"""Rollouts and the training forward: prompts in, Rollouts out (single-turn through common/sampling.py, multi-turn
+through common/multiturn.py); micro-batches of a Rollout; the log-probs of its tokens under any model (the training
+forward: a group's prompt once, the output layer a chunk at a time); pass@k and the held-out evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
 
-
-@dataclass
-class Rollout:
-    prompt_ids: torch.Tensor  # (B, P) left-padded
-    prompt_mask: torch.Tensor  # (B, P)
-    completion_ids: torch.Tensor  # (B, T) pad after the first EOS
-    completion_mask: torch.Tensor  # (B, T) 1 up to and including the first EOS
-    logprobs: torch.Tensor  # (B, T) behaviour log-probs at the sampling temperature, 0 where masked
-    finished: torch.Tensor  # (B,) True where the completion ended with EOS
-    texts: list[str]  # decoded completions, without special tokens
-    # Multi-turn trajectories (common/multiturn.py) fill the rest; a single-turn rollout leaves the defaults.
-    attention_mask: torch.Tensor | None = None  # (B, T) 1 on model AND environment tokens; completion_mask if None
-    rewards: list[float] | None = None  # trajectory reward: the environment's turn rewards summed
-    successes: list[bool] | None = None  # whether each trajectory achieved the task
-    turn_rewards: list[list[float]] | None = None  # the environment's reward after each model turn
-    turn_texts: list[list[str]] | None = None  # each model turn, decoded
-    turn_ids: torch.Tensor | None = None  # (B, T) k on the tokens of model turn k (0-based), -1 elsewhere
-    max_turns: int = 1
-
-    def __post_init__(self):
-        if self.attention_mask is None:  # one completion: attend to exactly the tokens trained on
-            self.attention_mask = self.completion_mask
-
-
-def encode_prompts(tokenizer, prompts: list, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask; chat models get their chat template, and a prompt given as chat
-    messages ([{"role": ..., "content": ...}, ...]) is rendered by it. Each distinct prompt is tokenized
-    once (a group repeats its prompt G times)."""
-    keys = [p if isinstance(p, str) else json.dumps(p, sort_keys=True) for p in prompts]
-    position = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    unique = list({k: p for k, p in zip(keys, prompts)}.values())
-    rows = torch.tensor([position[k] for k in keys]) if len(unique) < len(prompts) else None
-    if getattr(tokenizer, "chat_template", None):
-        unique = [tokenizer.apply_chat_template(p if isinstance(p, list) else [{"role": "user", "content": p}],
-                                                tokenize=False, add_generation_prompt=True) for p in unique]
-    elif not all(isinstance(p, str) for p in unique):
-        raise ValueError("prompts given as chat messages need a tokenizer with a chat template")
-    enc = tokenizer(unique, padding=True, return_tensors="pt", add_special_tokens=False)
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    if rows is not None:
-        ids, mask = ids[rows], mask[rows]
-    return ids.to(device), mask.to(device)
-
-
-def row_uniforms(keys: list[tuple[int, ...]], length: int, device) -> torch.Tensor:
-    """(B, length) uniforms in [0, 1), row b drawn from its own seed sequence keys[b]."""
-    u = np.stack([np.random.default_rng(list(key)).random(length) for key in keys])
-    return torch.from_numpy(u).to(device=device, dtype=torch.float32)
-
-
-@contextmanager
-def full_parameters(model):
-    """Sharded weights (FSDP2, as accelerate's FSDP config makes them) gathered once for a whole rollout, not once
-    per decoded token, and freed after it; for any other model, nothing to do."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        FSDPModule = ()
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)] if FSDPModule else []
-    if not sharded:
-        yield
-        return
-    sharded[0].set_reshard_after_forward(False)  # every sharded module keeps its weights after a forward
-    for module in sharded:
-        module.unshard()
-    try:
-        yield
-    finally:
-        for module in sharded:
-            module.reshard()
-        sharded[0].set_reshard_after_forward(True)
-
-
-def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 for every token up to and including the first EOS; and whether an EOS was produced."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
-    eos_seen_before = (is_eos.cumsum(-1) - is_eos.long()) > 0
-    return (~eos_seen_before).long(), is_eos.any(-1)
-
-
-def _accepts(model, name: str) -> bool:
-    """Whether the model's forward takes this keyword (through DDP's and peft's wrappers)."""
-    model = getattr(model, "module", model)
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return name in inspect.signature(model.forward).parameters
-
-
-def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
-    """A cached decoding step; returns the logits and the KV cache (`cache` in newer transformers releases)."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs)
-    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
-
-
-class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in buffers as long as the whole rollout, filled in place: a decode step writes its
-    position, where transformers' DynamicLayer concatenates, copying the whole cache at every step (a third of a
-    SmolLM2 decode step at batch 16 on a CPU); attention reads a view of the positions filled so far."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int):
-        super().__init__()
-        B, H, L, D = keys.shape
-        self.key_buffer, self.value_buffer = keys.new_empty(B, H, L + extra, D), values.new_empty(B, H, L + extra, D)
-        self.key_buffer[:, :, :L], self.value_buffer[:, :, :L] = keys, values
-        self.length, self.device, self.is_initialized = L, keys.device, True
-        self.keys, self.values = self.key_buffer[:, :, :L], self.value_buffer[:, :, :L]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.key_buffer[:, :, self.length : end], self.value_buffer[:, :, self.length : end] = key_states, value_states
-        self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
-        return self.keys, self.values
-
-
-def preallocated(cache, extra: int) -> None:
-    """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
-    place (any other cache is left as it is)."""
-    layers = getattr(cache, "layers", None)
-    if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
-        for i, layer in enumerate(layers):
-            layers[i] = PreallocatedLayer(layer.keys, layer.values, extra)
-
-
-def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """logits (..., V) set to -inf outside the top_k largest and outside the smallest set of most likely tokens
-    whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). Ties are
-    kept together: every token whose logit equals the last kept one stays (top-k's rule too), so the set does not
-    depend on how a sort orders equal values on one device or another. The
-    token ids in `keep` (...) stay in the set whatever: the training forward keeps the token it scores, so a
-    token sampled at the edge of the set, where a forward pass with another shape can round the other way,
-    never scores -inf. Unchanged at top_k 0 and top_p 1."""
-    if top_k <= 0 and top_p >= 1.0:
-        return logits
-    remove = torch.zeros_like(logits, dtype=torch.bool)
-    if top_k > 0:
-        remove |= logits < torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-    if top_p < 1.0:
-        ordered = torch.sort(logits.masked_fill(remove, float("-inf")), dim=-1, descending=True).values
-        probs = ordered.softmax(-1)
-        above = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each one
-        boundary = ordered.masked_fill(above >= top_p, float("inf")).min(-1, keepdim=True).values  # the last kept logit
-        remove |= logits < boundary  # every token tied with the last kept one stays, whatever order the sort gave them
-    if keep is not None:
-        remove.scatter_(-1, keep.unsqueeze(-1), False)
-    return logits.masked_fill(remove, float("-inf"))
-
-
-def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token y = min{v : cdf(v) > u} of each row of log-probs (B, V), u (B, 1) in [0, 1].
-
-    The float32 cumulative sum can end a little below 1, and a float32 u can round up to 1.0; a search
-    clamped to the last id would then return id V - 1 whatever its probability (0 included). Here u is
-    kept strictly below the row's total, so the token found always has cdf(y) > cdf(y - 1): a non-zero
-    probability (the missing mass, about 1e-7, goes to the last token that has any). Every other draw is
-    the plain inverse CDF, bit for bit."""
-    cdf = logp.exp().cumsum(-1)
-    total = cdf[:, -1:]
-    x = torch.minimum(u.to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x.contiguous(), right=True)
-
-
-@torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
-           pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
-           preallocate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
-    with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
-    truncated to top_k / top_p and renormalised. The KV cache is preallocated for the whole rollout
-    (preallocated(); preallocate=False keeps transformers' growing cache)."""
-    B = prompt_ids.shape[0]
-    mask = prompt_mask.clone()
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"  # transformers 5 renamed it
-    prefill = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
-    # each distinct prompt is run once (a group repeats its prompt G times); every row then gets its prompt's cache
-    shared = distinct_prompts(prompt_ids, mask)
-    if shared is not None:
-        first, rows = shared
-        logits, cache = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
-        logits = logits[rows]
-        cache.reorder_cache(rows)  # index_select along the batch: row b takes the cache of prompt rows[b]
-    else:
-        logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
-    if preallocate:
-        preallocated(cache, max_new_tokens)
-    eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-    tokens, logprobs = [], []
-    for t in range(max_new_tokens):
-        logp = torch.log_softmax(truncate(logits[:, -1].float() / (temperature or 1.0), top_k, top_p), dim=-1)
-        if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
-            raise FloatingPointError("the model's logits are not finite while sampling: its weights have diverged")
-        if temperature == 0:
-            token = logp.argmax(-1, keepdim=True)
-        else:
-            token = inverse_cdf(logp, uniforms[:, t : t + 1])
-        token_logp = logp.gather(-1, token)
-        tokens.append(torch.where(done[:, None], pad_id, token))
-        logprobs.append(torch.where(done[:, None], 0.0, token_logp))
-        done |= torch.isin(token[:, 0], eos)
-        if done.all() or t == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-        position = position[:, -1:] + 1
-        logits, cache = _forward(model, token, mask, position, **{cache_kw: cache})
-    return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+from common.multiturn import multi_turn_rollout
+from common.sampling import (Rollout, _accepts, completion_mask, distinct_prompts, encode_prompts, full_parameters,
+                             row_uniforms, sample, truncate)
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
@@ -250,8 +30,6 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
                                         envs[i : i + batch_size] if envs is not None else None, top_k=top_k, top_p=top_p)
                                 for i in range(0, len(prompts), batch_size)], tokenizer.pad_token_id)
     if envs is not None:
-        from common.multiturn import multi_turn_rollout  # (multiturn builds on this module)
-
         with full_parameters(model):
             return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device,
                                       top_k, top_p)
@@ -371,16 +149,6 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         turn_ids=pad([p.turn_ids for p in parts], -1) if parts[0].turn_ids is not None else None,
         max_turns=max(p.max_turns for p in parts),
     )
-
-
-def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(first row of each distinct prompt, the distinct prompt of each row), or None if no two rows share a prompt."""
-    distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
-    if len(distinct) == len(rows):
-        return None
-    B = len(rows)
-    first = torch.full((len(distinct),), B, device=rows.device).scatter_reduce(0, rows, torch.arange(B, device=rows.device), "amin")
-    return first, rows
 
 
 def _cache_of(out):

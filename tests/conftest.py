@@ -77,7 +77,7 @@ def assert_same_samples(model, a, b, keys, max_new_tokens: int, temperature: flo
     y = min{v : cdf(v) > u} only when its uniform u lies within rounding of a CDF boundary. So where a row's tokens
     first differ, the CDF is recomputed at that position and u must lie within tol of the boundary between the two
     tokens. Greedy decoding (temperature 0): their two logits must tie within tol instead."""
-    from common.rollout import row_uniforms
+    from common.sampling import row_uniforms
 
     for i in range(len(a.texts)):
         na, nb = int(a.attention_mask[i].sum()), int(b.attention_mask[i].sum())

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import assert_same_samples, latest_weights, small_args, state_dicts_equal, without_timing
+from conftest import assert_same_samples, small_args, state_dicts_equal, without_timing
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import async_grpo
@@ -15,7 +15,7 @@ import grpo
 import ppo
 from common.logging import read_metrics
 from common.losses import group_advantages
-from common.models import disable_dropout, load_model, load_policy, load_tokenizer, resolve_model
+from common.models import disable_dropout, load_model, load_policy, resolve_model
 from common.rollout import rollout, token_logprobs
 from common.tasks import load_task
 

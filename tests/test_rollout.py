@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import CHAT_TEMPLATE, assert_same_samples
 
-from common.rollout import (Rollout, completion_mask, concat_rollouts, encode_prompts, inverse_cdf, pass_at_k, rollout,
-                            row_uniforms, sample, select_rows, token_logprobs, truncate)
+from common.rollout import concat_rollouts, pass_at_k, rollout, select_rows, token_logprobs
+from common.sampling import Rollout, completion_mask, encode_prompts, inverse_cdf, row_uniforms, sample, truncate
 
 PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
 
@@ -173,10 +173,10 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_it_keeps():
 def test_a_preallocated_kv_cache_samples_what_the_growing_cache_does(tiny_model, tokenizer, monkeypatch):
     """The cache holds the same keys and values, written in place instead of concatenated: the same tokens and
     log-probs (up to rounding: attention reads a strided view of the buffer instead of a fresh tensor)."""
-    import common.rollout
+    import common.sampling
 
-    made, layer = [], common.rollout.PreallocatedLayer
-    monkeypatch.setattr(common.rollout, "PreallocatedLayer", lambda *a: (made.append(1), layer(*a))[1])
+    made, layer = [], common.sampling.PreallocatedLayer
+    monkeypatch.setattr(common.sampling, "PreallocatedLayer", lambda *a: (made.append(1), layer(*a))[1])
     ids, mask = encode_prompts(tokenizer, [p for p in PROMPTS for _ in range(3)], "cpu")
     keys = [(4, i) for i in range(12)]
     u = row_uniforms(keys, 12, "cpu")

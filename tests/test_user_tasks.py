@@ -5,13 +5,12 @@ import json
 import math
 
 import pytest
-import torch
 from conftest import CHAT_TEMPLATE, small_args
 
 import grpo
 from common.cli import ConfigError
 from common.logging import read_metrics
-from common.rollout import encode_prompts
+from common.sampling import encode_prompts
 from common.tasks import load_task
 from common.user_tasks import RewardError, math_reward
 

@@ -95,7 +95,8 @@ class Args:
     """also save the final policy in this dtype to <run>/export (checkpoints keep float32 weights: resume is exact)"""
     # ---------------------------------------------------------------- memory
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass instead of keeping them (less memory, about a third more compute)"""
+    """recompute activations in the backward pass instead of keeping them (less memory, about a third more compute; then
+    transformers keeps no KV cache in training mode, so a group's prompt runs with each of its rows instead of once)"""
     lora_r: int = 0
     """LoRA rank; > 0 freezes the weights and trains adapters only, and pi_ref is the base with adapters off (no copy)"""
     lora_alpha: float = 16.0

@@ -74,3 +74,22 @@ def test_common_has_no_import_circle():
 
     assert not [m for m in graph if reaches(m, m)], graph
     assert "multiturn" in graph["rollout"] and "rollout" not in graph["multiturn"] and "sampling" in graph["multiturn"]
+
+
+def fix_line_anchors() -> None:
+    """`python tests/test_docs.py`: point every [`name`](file#Ln) of the Markdown files at the line where name is
+    defined now (after an edit moved it)."""
+    for page in MARKDOWN:
+        text = page.read_text()
+
+        def moved(m):
+            name, path, line = m.group(1), m.group(2), m.group(3)
+            source = (page.parent / path).read_text().splitlines()
+            now = next(i for i, s in enumerate(source, 1) if re.match(rf"\s*(def|class) {re.escape(name)}\b", s))
+            return f"[`{name}`]({path}#L{now})"
+
+        page.write_text(re.sub(r"\[`(\w+)`\]\(([^)#]+)#L(\d+)\)", moved, text))
+
+
+if __name__ == "__main__":
+    fix_line_anchors()

@@ -105,6 +105,22 @@ def assert_same_samples(model, a, b, keys, max_new_tokens: int, temperature: flo
         assert (u - cdf[low]).abs() < tol, (i, t, u.item(), cdf[low].item())
 
 
+def assert_runs_match(a_dir, b_dir, rel: float = 1e-4, abs_: float = 1e-5, atol: float = 1e-4) -> None:
+    """Two runs of the same work done two ways (one process and two, say): every logged metric to rel / abs_, and the
+    final weights to atol (the ways sum in other orders)."""
+    import pytest
+
+    from common.logging import read_metrics
+
+    a, b = without_timing(read_metrics(a_dir)), without_timing(read_metrics(b_dir))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), key
+    assert state_dicts_equal(latest_weights(a_dir), latest_weights(b_dir), atol=atol)
+
+
 def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)

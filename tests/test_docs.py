@@ -83,7 +83,7 @@ def fix_line_anchors() -> None:
         text = page.read_text()
 
         def moved(m):
-            name, path, line = m.group(1), m.group(2), m.group(3)
+            name, path = m.group(1), m.group(2)
             source = (page.parent / path).read_text().splitlines()
             now = next(i for i, s in enumerate(source, 1) if re.match(rf"\s*(def|class) {re.escape(name)}\b", s))
             return f"[`{name}`]({path}#L{now})"

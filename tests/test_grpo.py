@@ -7,8 +7,8 @@ import sys
 import conftest
 import pytest
 import torch
-from conftest import (CHAT_TEMPLATE, assert_ctrl_c_checkpoints_and_exits_130, latest_weights, launch_two_processes,
-                      run_script, state_dicts_equal, without_timing)
+from conftest import (CHAT_TEMPLATE, assert_ctrl_c_checkpoints_and_exits_130, assert_runs_match, latest_weights,
+                      launch_two_processes, run_script, state_dicts_equal, without_timing)
 
 import grpo
 from common.cli import ConfigError
@@ -188,12 +188,7 @@ def test_two_processes_give_the_same_run_as_one(tmp_path):
     out = launch_two_processes("grpo.py", *flags, "--output-dir", str(tmp_path / "two"), "--run-name", "run")
     assert out.returncode == 0, out.stderr[-3000:]
     grpo.main(small_args(tmp_path / "one", steps=2, eval_every=1, loss_agg="token-mean"))
-    one, two = read_metrics(tmp_path / "one" / "run"), read_metrics(tmp_path / "two" / "run")
-    for a, b in zip(without_timing(one), without_timing(two)):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
-    assert state_dicts_equal(latest_weights(tmp_path / "one" / "run"), latest_weights(tmp_path / "two" / "run"), atol=1e-4)
+    assert_runs_match(tmp_path / "one" / "run", tmp_path / "two" / "run")
 
 
 def test_real_model_path_on_a_local_model_with_a_chat_template_and_a_local_gsm8k_file(tmp_path, tiny_model, tokenizer):

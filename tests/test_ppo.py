@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from conftest import latest_weights, launch_two_processes, small_args, state_dicts_equal, without_timing
+from conftest import assert_runs_match, latest_weights, launch_two_processes, small_args, state_dicts_equal, without_timing
 
 import ppo
 from common.cli import ConfigError
@@ -140,12 +140,7 @@ def test_two_processes_give_the_same_run_as_one(tmp_path):
                                "--output-dir", str(tmp_path / "two"), "--run-name", "run")
     assert out.returncode == 0, out.stderr[-3000:]
     ppo.main(small_args(ppo, tmp_path / "one", **flags))
-    one, two = read_metrics(tmp_path / "one" / "run"), read_metrics(tmp_path / "two" / "run")
-    for a, b in zip(without_timing(one), without_timing(two)):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
-    assert state_dicts_equal(latest_weights(tmp_path / "one" / "run"), latest_weights(tmp_path / "two" / "run"), atol=1e-4)
+    assert_runs_match(tmp_path / "one" / "run", tmp_path / "two" / "run")
 
 
 # ---------------------------------------------------------------- what each PPO flag changes

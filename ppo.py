@@ -81,6 +81,8 @@ class Args:
     """use only the first N training prompts (default: all)"""
     eval_data_path: str | None = None
     """held-out file of the same form (default: gsm8k's hub test split, or the last rows of --data-path)"""
+    extra_eval_data_path: list[str] = field(default_factory=list)
+    """more held-out files of that form, each evaluated too and logged as eval/<file name>/... (e.g. a transfer set)"""
     eval_fraction: float | None = None
     """math, data: hold out this fraction of --data-path's last rows (default: --eval-data-path, or its last rows)"""
     prompt_column: str = "prompt"
@@ -183,7 +185,8 @@ class Args:
 
 
 # Flags that may differ between a run and its resumption.
-RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir"}
+RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
+             "extra_eval_data_path", "generation_batch_size"}
 
 
 def check_args(args: Args, num_processes: int) -> None:
@@ -215,6 +218,8 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.generation_batch_size is None or args.generation_batch_size >= 1, "--generation-batch-size must be >= 1")
     check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
     check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
+    for path in args.extra_eval_data_path:
+        check(os.path.isfile(path), f"--extra-eval-data-path {path}: no such file")
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
@@ -381,7 +386,7 @@ def main(args: Args) -> None:
     check_args(args, accelerator.num_processes)
     # Everything that can be wrong with the input is found before a model is built.
     task = load_task(args.task, args.data_path, args.eval_data_path, args.eval_prompts, args.train_size, args.prompt_column,
-                     args.answer_column, args.reward, args.reward_weights, args.eval_fraction)
+                     args.answer_column, args.reward, args.reward_weights, args.eval_fraction, args.extra_eval_data_path)
     check(task.env is None, f"--task {args.task} is multi-turn: ppo.py trains on single completions (its critic and GAE "
                             "would have to skip the environment's tokens); use grpo.py, gapo.py, is_grpo.py or async_grpo.py")
     check(args.prompts_per_step <= len(task.train),

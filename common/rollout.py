@@ -323,11 +323,25 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
              device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None, top_k: int = 0,
              top_p: float = 1.0) -> dict[str, float]:
     """pass@1 and pass@k from n samples per held-out prompt at the sampling temperature (unbiased
-    estimator), greedy accuracy, and mean sampled reward. Prompts are sharded over processes."""
+    estimator), greedy accuracy, and mean sampled reward; on task.test (eval/...) and on each of task.extra_tests
+    (eval/<name>/...). Prompts are sharded over processes."""
+    sets = {"eval/": task.test, **{f"eval/{name}/": data for name, data in task.extra_tests.items()}}
+    metrics = {}
+    for prefix, data in sets.items():
+        metrics.update(evaluate_set(model, tokenizer, task, data, prefix, n, k, max_new_tokens, temperature, eos_ids,
+                                    device, seed, rank, world, batch_size, top_k, top_p))
+    return metrics
+
+
+def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_new_tokens: int, temperature: float,
+                 eos_ids: list[int], device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None,
+                 top_k: int = 0, top_p: float = 1.0) -> dict[str, float]:
+    """evaluate() on one held-out Dataset, its metrics named prefix + name. pass@1_se and greedy_se are the standard
+    errors of the mean over prompts (pass@1: the spread of the per-prompt pass@1 over sqrt(prompts))."""
     from accelerate.utils import gather_object
 
-    idx = list(range(rank, len(task.test), world))
-    shard = task.test.select(idx)
+    idx = list(range(rank, len(data), world))
+    shard = data.select(idx)
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
     repeated = [a for a in answers for _ in range(n)]
     sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
@@ -347,13 +361,17 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     lengths = [x for _, shard, _ in shards for x in shard]
     formatted = [x for _, _, shard in shards for x in shard]
     m = len(per_prompt)
+    pass1 = np.array([pass_at_k(n, c, 1) for c, _, _ in per_prompt])
+    greedy_rate = sum(g for _, _, g in per_prompt) / m
     metrics = {
-        "eval/pass@1": sum(pass_at_k(n, c, 1) for c, _, _ in per_prompt) / m,
-        "eval/pass@k": sum(pass_at_k(n, c, k) for c, _, _ in per_prompt) / m,
-        "eval/greedy": sum(g for _, _, g in per_prompt) / m,
-        "eval/reward_mean": sum(r for _, r, _ in per_prompt) / m,
-        "eval/mean_length": sum(lengths) / len(lengths),
+        "pass@1": pass1.mean(),
+        "pass@1_se": pass1.std(ddof=1) / np.sqrt(m) if m > 1 else 0.0,
+        "pass@k": sum(pass_at_k(n, c, k) for c, _, _ in per_prompt) / m,
+        "greedy": greedy_rate,
+        "greedy_se": float(np.sqrt(greedy_rate * (1 - greedy_rate) / m)),
+        "reward_mean": sum(r for _, r, _ in per_prompt) / m,
+        "mean_length": sum(lengths) / len(lengths),
     }
     if task.formatted is not None:  # e.g. gsm8k: the share of sampled completions that end with '#### N'
-        metrics["eval/format_rate"] = sum(formatted) / len(formatted)
-    return metrics
+        metrics["format_rate"] = sum(formatted) / len(formatted)
+    return {prefix + key: float(value) for key, value in metrics.items()}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable
@@ -52,6 +52,7 @@ class Task:
     env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
     formatted: Callable[[list[str]], list[bool]] | None = None  # whether each completion gives its answer in the task's format
     reward_functions: list | None = None  # --reward: user functions by import path, weighted (common/user_tasks.py)
+    extra_tests: dict = field(default_factory=dict)  # --extra-eval-data-path: name -> more held-out rows, evaluated too
 
     def envs(self, answers: list[str]) -> list | None:
         """One environment per row for a multi-turn task; None for a single-turn one."""
@@ -346,9 +347,10 @@ def user_task(name: str, data_path: str | None, eval_data_path: str | None, num_
 def load_task(name: str, data_path: str | None = None, eval_data_path: str | None = None, num_test: int = 128,
               train_size: int | None = None, prompt_column: str = "prompt", answer_column: str = "answer",
               rewards: list[str] | None = None, reward_weights: list[float] | None = None,
-              eval_fraction: float | None = None) -> Task:
+              eval_fraction: float | None = None, extra_eval_paths: list[str] | None = None) -> Task:
     """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often);
-    rewards (import paths, weighted) replace the task's own reward."""
+    rewards (import paths, weighted) replace the task's own reward; extra_eval_paths are more held-out files of the
+    --eval-data-path form, each evaluated too and logged by its file name."""
     if embedded_model_name(name) is None and name not in ("gsm8k", "math", "data"):
         raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
     if eval_fraction is not None and not (name in ("math", "data") and 0 < eval_fraction < 1):
@@ -374,6 +376,14 @@ def load_task(name: str, data_path: str | None = None, eval_data_path: str | Non
         if task.env is not None:
             raise ConfigError(f"--reward: the multi-turn task {name} is rewarded by its environment")
         task.reward_functions = functions
+    for path in extra_eval_paths or []:
+        if name not in ("gsm8k", "math", "data"):
+            raise ConfigError(f"--extra-eval-data-path is for --task gsm8k, math or data (got {name})")
+        if Path(path).stem in task.extra_tests:
+            raise ConfigError(f"--extra-eval-data-path: two files are named {Path(path).stem} (their metrics would merge)")
+        again = gsm8k_task(data_path, path, num_test) if name == "gsm8k" else \
+            user_task(name, data_path, path, num_test, prompt_column, answer_column, None)
+        task.extra_tests[Path(path).stem] = again.test  # read and checked as --eval-data-path is
     if train_size is not None:
         if not 1 <= train_size <= len(task.train):
             raise ConfigError(f"--train-size must be in [1, {len(task.train)}] for --task {name} (got {train_size})")

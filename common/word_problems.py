@@ -1,12 +1,18 @@
 """Grade-school word problems in GSM8K's format, built offline and deterministically.
 
-    python -m common.word_problems data/word_problems      # writes train.jsonl (2000) and test.jsonl (200)
+    python -m common.word_problems data/word_problems      # writes train.jsonl (2000), test.jsonl (200), transfer.jsonl (200)
 
 Each row is {"question": ..., "answer": ...} as in openai/gsm8k: the answer is a worked solution, one
 arithmetic step per line, ending in `#### N`. Problems take 1 to 3 steps (+, -, x, /) over small whole
 numbers, from templates with names, objects and numbers drawn from a fixed seed; every intermediate and
 final result is a whole number >= 0. The held-out questions never occur in the training file. They are
 read by the real GSM8K path: `--task gsm8k --data-path train.jsonl --eval-data-path test.jsonl`.
+
+transfer.jsonl is a second held-out set from an independent generator (transfer_problem): other situations and
+words (floors and windows, tanks and litres, ropes, tickets, classes), and other step structures - the sequences
+of operations (-, +), (-, -), (+, +), (/, -), (/, x), (-, x), (x, x), (x, x, +), (x, x, -), none of which the
+training generator produces (a test checks both). It measures whether what RL teaches transfers beyond the
+training templates: `--extra-eval-data-path data/word_problems/transfer.jsonl`.
 """
 
 from __future__ import annotations
@@ -95,6 +101,68 @@ def problem(r: random.Random) -> dict:
     return {"question": question, "answer": "\n".join(steps + [f"#### {result}"])}
 
 
+def transfer_problem(r: random.Random) -> dict:
+    """One problem of the transfer set: situations, phrasings and step structures the training generator never uses."""
+    name = r.choice(NAMES)
+    kind = r.choice(["comparison", "tank", "shelves", "half", "rope", "discount", "building", "broken_windows", "tickets"])
+    if kind == "comparison":  # (-, +)
+        a, b = r.randint(12, 60), r.randint(2, 11)
+        q = f"A red box holds {a} marbles and a blue box holds {b} fewer. How many marbles are in the two boxes together?"
+        steps = [f"The blue box holds {a} - {b} = {a - b}.", f"Together: {a} + {a - b} = {2 * a - b}."]
+    elif kind == "tank":  # (-, -)
+        a, b = r.randint(40, 120), r.randint(5, 20)
+        c = r.randint(1, a - b - 1)
+        q = f"A water tank holds {a} litres. {b} litres leak out in the morning and {c} in the afternoon. How many litres are left?"
+        steps = [f"After the morning: {a} - {b} = {a - b} litres.", f"After the afternoon: {a - b} - {c} = {a - b - c} litres."]
+    elif kind == "shelves":  # (+, +)
+        a, b, c = (r.randint(5, 40) for _ in range(3))
+        q = f"Three shelves in a library hold {a}, {b} and {c} books. How many books are on the shelves?"
+        steps = [f"The first two hold {a} + {b} = {a + b}.", f"All three: {a + b} + {c} = {a + b + c}."]
+    elif kind == "half":  # (/, -)
+        n = 2 * r.randint(8, 20)
+        k = r.randint(1, n // 2 - 1)
+        q = f"A class has {n} students. Half of them walk to school and {k} of the others take the bus. How many come to school another way?"
+        steps = [f"Half of the class: {n} / 2 = {n // 2} students.", f"Not by bus: {n // 2} - {k} = {n // 2 - k}."]
+    elif kind == "rope":  # (/, x)
+        k, piece = r.randint(2, 8), r.randint(2, 9)
+        m = r.randint(1, k)
+        q = f"A rope {k * piece} metres long is cut into {k} equal pieces, and {m} of the pieces are used. How many metres of rope are used?"
+        steps = [f"Each piece is {k * piece} / {k} = {piece} metres.", f"Used: {m} x {piece} = {m * piece} metres."]
+    elif kind == "discount":  # (-, x)
+        price, off, n = r.randint(6, 20), r.randint(1, 5), r.randint(2, 9)
+        q = f"A museum ticket costs {price} dollars, and {name} gets {off} dollars off each one. What does {name} pay for {n} tickets?"
+        steps = [f"One ticket: {price} - {off} = {price - off} dollars.", f"{n} tickets: {n} x {price - off} = {n * (price - off)} dollars."]
+    elif kind in ("building", "broken_windows"):  # (x, x) and (x, x, -)
+        f, rooms, w = r.randint(2, 6), r.randint(2, 8), r.randint(2, 4)
+        q = f"A building has {f} floors with {rooms} rooms on each floor, and every room has {w} windows. "
+        steps = [f"Rooms: {f} x {rooms} = {f * rooms}.", f"Windows: {f * rooms} x {w} = {f * rooms * w}."]
+        if kind == "building":
+            q += "How many windows does the building have?"
+        else:
+            broken = r.randint(1, f * rooms * w - 1)
+            q += f"{broken} of the windows are broken. How many windows are not broken?"
+            steps.append(f"Not broken: {f * rooms * w} - {broken} = {f * rooms * w - broken}.")
+    else:  # tickets: (x, x, +)
+        adults, children, x, y = r.randint(1, 4), r.randint(1, 5), r.randint(8, 15), r.randint(3, 7)
+        q = (f"At the zoo an adult ticket costs {x} dollars and a child ticket {y} dollars. {name} buys {adults} adult and "
+             f"{children} child tickets. How many dollars is that?")
+        steps = [f"Adults: {adults} x {x} = {adults * x} dollars.", f"Children: {children} x {y} = {children * y} dollars.",
+                 f"In all: {adults * x} + {children * y} = {adults * x + children * y} dollars."]
+    result = int(steps[-1].rsplit("= ", 1)[1].split()[0].rstrip("."))
+    return {"question": q, "answer": "\n".join(steps + [f"#### {result}"])}
+
+
+def build_transfer(n: int = 200, seed: int = 2) -> list[dict]:
+    """n distinct transfer problems (transfer_problem), from their own seed."""
+    r, rows, seen = random.Random(seed), [], set()
+    while len(rows) < n:
+        row = transfer_problem(r)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    return rows
+
+
 def build(n_train: int = 2000, n_test: int = 200, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Held-out problems first (seed), then training problems (seed + 1) that repeat none of them."""
     def draw(r: random.Random, n: int, seen: set[str]) -> list[dict]:
@@ -115,8 +183,8 @@ def write(directory: str | Path, n_train: int = 2000, n_test: int = 200) -> tupl
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train, test = build(n_train, n_test)
-    paths = directory / "train.jsonl", directory / "test.jsonl"
-    for path, rows in zip(paths, (train, test)):
+    paths = directory / "train.jsonl", directory / "test.jsonl", directory / "transfer.jsonl"
+    for path, rows in zip(paths, (train, test, build_transfer(n_test))):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return paths
 

@@ -87,6 +87,7 @@ BAD_INPUT = [
     (dict(prompts_per_step=0), "--prompts-per-step"),
     (dict(eval_k=16, eval_samples=8), "--eval-k must be in"),
     (dict(dynamic_sampling=True, train_size=8), "--dynamic-sampling needs more training prompts than --prompts-per-step"),
+    (dict(extra_eval_data_path=["missing.jsonl"]), "--extra-eval-data-path missing.jsonl: no such file"),
 ]
 
 
@@ -122,7 +123,8 @@ def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint_and_prints_a_su
     assert len(summary) == 2 and all(line.count("eval/pass@") == 1 for line in summary)  # pass@k only when k > 1
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@k", "eval/greedy", "eval/reward_mean", "eval/mean_length"}
+    assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@1_se", "eval/pass@k", "eval/greedy", "eval/greedy_se",
+                            "eval/reward_mean", "eval/mean_length"}
     for key in ("reward/mean", "reward/std", "accuracy/train", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_frac", "policy/entropy", "policy/approx_kl", "policy/clip_frac_low",
                 "policy/clip_frac_high", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",

@@ -79,7 +79,7 @@ def test_bf16_sampler_and_training_forward_agree_on_smollm2(smollm2, problems):
     """Behaviour log-probs recorded while sampling (KV cache) against the training forward, both bf16 autocast
     over float32 weights: the first-pass ratio is 1 to within 1e-2 on average."""
     model, tokenizer = load_model(smollm2, "bfloat16").eval(), load_tokenizer(smollm2)
-    prompts = [p for p in load_task("gsm8k", *map(str, problems)).test["prompt"][:2] for _ in range(2)]
+    prompts = [p for p in load_task("gsm8k", str(problems[0]), str(problems[1])).test["prompt"][:2] for _ in range(2)]
     out = rollout(model, tokenizer, prompts, [(0, i) for i in range(4)], 16, 1.0, eos_token_ids(model, tokenizer), "cpu")
     with torch.no_grad():
         logps, _ = token_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
@@ -107,8 +107,36 @@ def test_word_problems_are_deterministic_gsm8k_rows_with_right_worked_solutions(
     assert all(count > 30 for count in steps.values()), steps  # 1, 2 and 3 steps all occur
 
 
+def operations(answer: str) -> tuple[str, ...]:
+    return tuple(re.findall(r"\d+ ([-+x/]) \d+ = \d+", answer))
+
+
+def skeleton(question: str) -> str:
+    """The question with its numbers, names and objects taken out: what a template looks like."""
+    words = set(word_problems.NAMES) | set(word_problems.OBJECTS) | set(word_problems.CONTAINERS)
+    return " ".join("_" if w.strip(".,?") in words or w[:1].isdigit() else w for w in question.split())
+
+
+def test_the_transfer_set_has_right_solutions_and_neither_phrasings_nor_step_structures_of_training():
+    train, _ = word_problems.build(2000, 50)
+    transfer = word_problems.build_transfer(200)
+    assert transfer == word_problems.build_transfer(200) and len({r["question"] for r in transfer}) == 200
+    for row in transfer:  # every step's arithmetic is right and the final answer is the last result
+        *lines, final = row["answer"].split("\n")
+        results = []
+        for line in lines:
+            a, op, b, c = re.search(r"(\d+) ([-+x/]) (\d+) = (\d+)", line).groups()
+            a, b, c = int(a), int(b), int(c)
+            assert {"+": a + b, "-": a - b, "x": a * b, "/": a / b}[op] == c, line
+            results.append(c)
+        assert final == f"#### {results[-1]}" and results[-1] >= 0
+    assert not {operations(r["answer"]) for r in transfer} & {operations(r["answer"]) for r in train}
+    assert not {skeleton(r["question"]) for r in transfer} & {skeleton(r["question"]) for r in train}
+    assert len({operations(r["answer"]) for r in transfer}) == 9
+
+
 def test_word_problems_run_through_the_gsm8k_task(problems):
-    task = load_task("gsm8k", *map(str, problems))
+    task = load_task("gsm8k", str(problems[0]), str(problems[1]))
     assert len(task.train) == 64 and len(task.test) == 16
     assert task.test["prompt"][0].endswith("give the final answer after '####'.")
     answer = task.test["answer"][0]
@@ -118,13 +146,14 @@ def test_word_problems_run_through_the_gsm8k_task(problems):
 
 # ---------------------------------------------------------------- grpo.py end to end
 def test_grpo_trains_smollm2_on_word_problems_for_two_steps(tmp_path, smollm2, problems):
-    train, test = map(str, problems)
+    train, test, transfer = map(str, problems)
     grpo.main(small_args(grpo, tmp_path, model=SMOLLM2, task="gsm8k", data_path=train, eval_data_path=test, steps=2,
                          prompts_per_step=2, num_generations=2, max_new_tokens=12, eval_prompts=2, eval_samples=2,
-                         eval_k=1, eval_every=0, lr=1e-5))  # float32: bf16 is emulated on CPUs without bf16 units
+                         eval_k=1, eval_every=0, lr=1e-5, extra_eval_data_path=[transfer]))  # float32: bf16 is slow on some CPUs
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert {"eval/format_rate", "eval/mean_length", "eval/pass@1"} <= set(rows[0])
+    assert {"eval/format_rate", "eval/mean_length", "eval/pass@1", "eval/pass@1_se"} <= set(rows[0])
+    assert {"eval/transfer/pass@1", "eval/transfer/format_rate", "eval/transfer/greedy_se"} <= set(rows[0])  # the second set
     assert rows[1]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and rows[2]["completions/mean_length"] > 0
     # the reference computes what the policy computed before its first step, with the same kernels (test_precision): 0 up
     # to the matrix library (before the fix: 6.6e-12 on some CPUs, the output layer's bmm against the policy's mm)

@@ -66,6 +66,17 @@ def test_the_format_reward_shapes_gsm8k_scoring_when_weighted_beside_it(tmp_path
     assert parts == {"gsm8k_reward": [1.0, 0.0, 1.0], "gsm8k_format_reward": [1.0, 1.0, 0.0]}
 
 
+def test_extra_held_out_files_are_read_as_the_eval_file_is_and_named_by_their_file(tmp_path):
+    train, test = write(tmp_path, "g.jsonl", GSM8K_ROWS), write(tmp_path, "t.jsonl", GSM8K_ROWS[:2])
+    transfer = write(tmp_path, "transfer.jsonl", GSM8K_ROWS[2:])
+    task = load_task("gsm8k", train, test, extra_eval_paths=[transfer])
+    assert list(task.extra_tests) == ["transfer"] and task.extra_tests["transfer"]["answer"] == ["3.5", "-3"]
+    with pytest.raises(ConfigError, match="--extra-eval-data-path is for --task gsm8k, math or data"):
+        load_task("reverse", extra_eval_paths=[transfer])
+    with pytest.raises(ConfigError, match="two files are named transfer"):
+        load_task("gsm8k", train, test, extra_eval_paths=[transfer, transfer])
+
+
 def test_gsm8k_from_a_local_jsonl_file_holds_out_the_last_rows(tmp_path):
     task = load_task("gsm8k", write(tmp_path, "g.jsonl", GSM8K_ROWS), num_test=2)
     assert len(task.train) == 2 and len(task.test) == 2

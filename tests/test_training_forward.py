@@ -135,3 +135,16 @@ def test_the_output_layer_a_chunk_at_a_time_gives_the_log_probs_entropy_and_grad
         logits, _ = common.rollout.completion_logits(policy, *inputs)
     plain, _ = common.rollout.logprobs_from_logits(logits, batch.completion_ids, **truncation)
     assert torch.allclose(a, plain, atol=1e-6)  # and the model's own output layer computes the same
+
+
+def test_a_one_token_prompt_beside_longer_ones_shares_its_prompt_too(tiny_model, tokenizer):
+    """Its row in the prompt pass (all but the last token) is all padding: still finite, still the whole forward's."""
+    tiny_model.train()
+    batch = rollout(tiny_model, tokenizer, ["1", "1", "12345>", "12345>"], [(0, i) for i in range(4)], 6, 1.0,
+                    [tokenizer.eos_token_id], "cpu")
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    with torch.no_grad():
+        whole, _ = token_logprobs(tiny_model, *inputs, share_prompts=False)
+        shared, _ = token_logprobs(tiny_model, *inputs, share_prompts=True)
+    m = batch.completion_mask.bool()
+    assert torch.isfinite(shared[m]).all() and torch.allclose(shared[m], whole[m], atol=1e-5)

@@ -41,6 +41,8 @@ class Args:
     eval_every: int = 10
     eval_prompts: int = 100
     output_dir: str = "runs/repro_real_model_recipe"
+    name: str = "real_model_recipe"
+    """the results files: repro/results/<name>.{md,png}"""
 
 
 def flags(args: Args) -> list[str]:
@@ -69,7 +71,8 @@ def main(args: Args) -> None:
     keys = [("pass@1", "pass@1"), ("pass@k", "pass@4"), ("greedy", "greedy"), ("format_rate", "format"),
             ("mean_length", "length")]
     lines = [f"`python repro/real_model_recipe.py --runs {' '.join(args.runs)} --steps {args.steps} --eval-every "
-             f"{args.eval_every} --eval-prompts {args.eval_prompts}`", "",
+             f"{args.eval_every} --eval-prompts {args.eval_prompts}" + (f" --name {args.name}" if args.name != "real_model_recipe"
+                                                                          else "") + "`", "",
              "| recipe | seed | set | " + " | ".join(f"{label}: base -> final" for _, label in keys) +
              " | steps with a gradient | cut at the budget | wall time (s) | peak memory (MB) |", "|---" * (len(keys) + 7) + "|"]
     for (recipe, seed), job in zip(plan, jobs):
@@ -86,7 +89,7 @@ def main(args: Args) -> None:
     for job in jobs:
         lines.append(f"- {job.name}: " + ", ".join(f"{r['step']}: {r['eval/pass@1']:.3f} / {r['eval/transfer/pass@1']:.3f}"
                                                    for r in evals(runs[job.name]["rows"])))
-    out = save_table("real_model_recipe", "\n".join(lines) + "\n")
+    out = save_table(args.name, "\n".join(lines) + "\n")
     plt = pyplot()
     if plt is None:
         return
@@ -103,7 +106,7 @@ def main(args: Args) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "real_model_recipe.png", dpi=110)
+    fig.savefig(out / f"{args.name}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
     batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
-    tokens are those of one pass, up to rounding (the module's docstring)."""
+    tokens are those of one pass, up to rounding (common/sampling.py's docstring)."""
     if batch_size is not None and len(prompts) > batch_size:
         return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
                                         max_new_tokens, temperature, eos_ids, device,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -150,6 +151,15 @@ def transfer_problem(r: random.Random) -> dict:
                  f"In all: {adults * x} + {children * y} = {adults * x + children * y} dollars."]
     result = int(steps[-1].rsplit("= ", 1)[1].split()[0].rstrip("."))
     return {"question": q, "answer": "\n".join(steps + [f"#### {result}"])}
+
+
+STEP = re.compile(r"(\d+) ([-+x/]) (\d+) = (\d+)")
+
+
+def solution_steps(answer: str) -> list[tuple[int, str, int, int]]:
+    """The worked solution's steps, (a, op, b, result) of each 'a op b = result' line before '#### N'."""
+    *lines, _ = answer.split("\n")
+    return [(int(a), op, int(b), int(c)) for a, op, b, c in (STEP.search(line).groups() for line in lines)]
 
 
 def build_transfer(n: int = 200, seed: int = 2) -> list[dict]:

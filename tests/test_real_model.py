@@ -95,20 +95,22 @@ def test_word_problems_are_deterministic_gsm8k_rows_with_right_worked_solutions(
     assert not {r["question"] for r in train} & {r["question"] for r in test}  # held out means unseen
     steps = {1: 0, 2: 0, 3: 0}
     for row in train + test:
-        *lines, final = row["answer"].split("\n")
-        steps[len(lines)] += 1
-        results = []
-        for line in lines:  # every step's arithmetic is right, and the final answer is the last result
-            a, op, b, c = re.search(r"(\d+) ([-+x/]) (\d+) = (\d+)", line).groups()
-            a, b, c = int(a), int(b), int(c)
-            assert {"+": a + b, "-": a - b, "x": a * b, "/": a / b}[op] == c, line
-            results.append(c)
-        assert final == f"#### {results[-1]}" and results[-1] >= 0
+        steps[len(word_problems.solution_steps(row["answer"]))] += 1
+        assert_right_solution(row["answer"])
     assert all(count > 30 for count in steps.values()), steps  # 1, 2 and 3 steps all occur
 
 
+def assert_right_solution(answer: str) -> None:
+    """Every step's arithmetic is right, one step a line, and the final answer is the last result."""
+    steps = word_problems.solution_steps(answer)
+    assert len(steps) == answer.count("\n") >= 1, answer
+    for a, op, b, c in steps:
+        assert {"+": a + b, "-": a - b, "x": a * b, "/": a / b}[op] == c, answer
+    assert answer.endswith(f"\n#### {steps[-1][3]}") and steps[-1][3] >= 0, answer
+
+
 def operations(answer: str) -> tuple[str, ...]:
-    return tuple(re.findall(r"\d+ ([-+x/]) \d+ = \d+", answer))
+    return tuple(op for _, op, _, _ in word_problems.solution_steps(answer))
 
 
 def skeleton(question: str) -> str:
@@ -121,15 +123,8 @@ def test_the_transfer_set_has_right_solutions_and_neither_phrasings_nor_step_str
     train, _ = word_problems.build(2000, 50)
     transfer = word_problems.build_transfer(200)
     assert transfer == word_problems.build_transfer(200) and len({r["question"] for r in transfer}) == 200
-    for row in transfer:  # every step's arithmetic is right and the final answer is the last result
-        *lines, final = row["answer"].split("\n")
-        results = []
-        for line in lines:
-            a, op, b, c = re.search(r"(\d+) ([-+x/]) (\d+) = (\d+)", line).groups()
-            a, b, c = int(a), int(b), int(c)
-            assert {"+": a + b, "-": a - b, "x": a * b, "/": a / b}[op] == c, line
-            results.append(c)
-        assert final == f"#### {results[-1]}" and results[-1] >= 0
+    for row in transfer:
+        assert_right_solution(row["answer"])
     assert not {operations(r["answer"]) for r in transfer} & {operations(r["answer"]) for r in train}
     assert not {skeleton(r["question"]) for r in transfer} & {skeleton(r["question"]) for r in train}
     assert len({operations(r["answer"]) for r in transfer}) == 9

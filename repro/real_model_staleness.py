@@ -1,0 +1,160 @@
+"""Staleness on a real model: the embedded study's questions asked of SmolLM2-135M-Instruct.
+
+    python repro/real_model_staleness.py                 # the runs in --arms x --seeds, one at a time, then the table
+    python repro/real_model_staleness.py --arms K2_none --seeds 0
+
+Every run uses real_model_recipe.py's flags and its chosen recipe (--recipe: 4 prompts x 8 completions, T 0.7,
+128 new tokens, beta 0, shaped reward, lr 1e-5; held-out and transfer evaluation of --eval-prompts problems x 4).
+Arms (ARMS below):
+- K0: staleness 0. async_grpo.py --mode emulated at K = 0 is grpo.py bit for bit for every correction (a test:
+  tests/test_async_grpo.py; `--check-k0` repeats it on this model for 2 steps), so K = 0 is the recipe's own grpo.py
+  run, shared with real_model_recipe.py (its output directory).
+- K2_none, K4_none: async_grpo.py --mode emulated, batch t sampled from exactly version t - 1 - K, no correction
+  (the behaviour policy mu is taken as pi_old, "bypass").
+- K4_tis: K = 4 with truncated importance sampling, the correction that reached the embedded job's target in
+  the fewest steps at K = 4 (137 steps, 3 of 3 seeds; decoupled: 160; none: 1 of 3; repro/README.md).
+- threaded: async_grpo.py as a user starts it (a generation thread, K = 1, tis) for the wall time to the same
+  held-out accuracy as grpo.py. Compute time = learner wait + train per step (grpo.py: sampling + train), so
+  the evaluations are left out of both; during an evaluation the generator may sample at most one batch ahead.
+
+Reported, as the embedded study does: held-out and transfer pass@1 at the first and last evaluation (± se),
+steps and compute seconds to --target held-out pass@1, behaviour KL (k3 of KL(mu, pi_old)) and ESS over
+training, and whether any run collapses (final held-out pass@1 below the base model's or below half its best);
+the figure shows held-out pass@1 by step and behaviour KL by step, the early-warning signal of the embedded
+study. Writes repro/results/<name>.{md,png}.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import tyro
+from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
+from runner import Job, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
+
+ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run
+    "K0": ("grpo.py", []),
+    "K2_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "2", "--correction", "none"]),
+    "K4_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none"]),
+    "K4_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis"]),
+    "threaded": ("async_grpo.py", ["--mode", "threaded", "--max-staleness", "1", "--correction", "tis"]),
+}
+
+
+@dataclass
+class Args:
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    """seeds of the learning arms; the threaded arm runs seed 0 only (its question is time, not spread)"""
+    recipe: str = "shaped_lr1e-5"
+    steps: int = 40
+    eval_every: int = 20
+    eval_prompts: int = 100
+    target: float = 0.18
+    """held-out pass@1 for steps and seconds to target"""
+    output_dir: str = "runs/repro_real_model_staleness"
+    name: str = "real_model_staleness"
+    check_k0: bool = False
+    """first run grpo.py and async_grpo.py --mode emulated --max-staleness 0 for 2 steps on this model and stop
+    unless their logged numbers are identical"""
+
+
+def compute_seconds(rows: list[dict], up_to: int) -> float:
+    """Sampling (or waiting for the generator) + training, summed over steps <= up_to: evaluation left out."""
+    wait = "time/learner_wait_s" if any("time/learner_wait_s" in r for r in rows) else "time/rollout_s"
+    return sum(r[wait] + r["time/train_s"] for r in rows if "time/train_s" in r and r["step"] <= up_to)
+
+
+def pass1(e: list[dict], prefix: str) -> str:
+    """'base ± se -> final ± se' of the held-out pass@1 under prefix."""
+    first, last = e[0], e[-1]
+    return (f"{first[prefix + 'pass@1']:.3f} ± {first[prefix + 'pass@1_se']:.3f} -> "
+            f"{last[prefix + 'pass@1']:.3f} ± {last[prefix + 'pass@1_se']:.3f}")
+
+
+def collapsed(rows: list[dict]) -> bool:
+    p = [r["eval/pass@1"] for r in evals(rows)]
+    return p[-1] < p[0] or p[-1] < 0.5 * max(p)
+
+
+def check_k0(base: list[str], output_dir: str) -> None:
+    """K = 0 emulated is grpo.py bit for bit by construction (the same draws from the same weights, the same loss
+    code); the test suite checks it on the embedded model, this on the real one: every logged number but timings."""
+    short = [*base, "--steps", "2", "--eval-every", "0"]
+    runs = run_jobs([Job("check_k0_grpo", "grpo.py", short),
+                     Job("check_k0_async", "async_grpo.py", [*short, "--mode", "emulated", "--max-staleness", "0"])], output_dir)
+    grpo, emulated = (runs[n]["rows"] for n in ("check_k0_grpo", "check_k0_async"))
+    for a, b in zip(grpo, emulated, strict=True):
+        differ = [k for k in a if k in b and not k.startswith(("time/", "throughput/")) and a[k] != b[k]]
+        if differ:
+            raise SystemExit(f"K = 0 is not grpo.py at step {a['step']}: {differ}")
+    print("K = 0 emulated == grpo.py: every logged number of 2 steps identical")
+
+
+def main(args: Args) -> None:
+    for arm in args.arms:
+        if arm not in ARMS:
+            raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
+    if args.recipe not in RECIPES:
+        raise SystemExit(f"--recipe: unknown recipe {args.recipe!r} (choose from {', '.join(RECIPES)})")
+    base = [*recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
+            *RECIPES[args.recipe]]
+    if args.check_k0:
+        check_k0(base, args.output_dir)
+    plan = [(arm, seed) for arm in args.arms for seed in (args.seeds if arm != "threaded" else [0])]
+    # K = 0 is grpo.py: the recipe's run, in the recipe's directory (skipped there when it has finished)
+    k0 = [Job(f"{args.recipe}_s{s}", "grpo.py", [*base, "--seed", str(s)]) for arm, s in plan if arm == "K0"]
+    runs = {("K0", int(name.rsplit("_s", 1)[1])): run for name, run in run_jobs(k0, "runs/repro_real_model_recipe").items()}
+    jobs = [Job(f"{arm}_s{s}", ARMS[arm][0], [*base, *ARMS[arm][1], "--seed", str(s)]) for arm, s in plan if arm != "K0"]
+    done = run_jobs(jobs, args.output_dir)
+    runs.update({(arm, s): done[f"{arm}_s{s}"] for arm, s in plan if arm != "K0"})
+
+    lines = [f"`python repro/real_model_staleness.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} "
+             f"--steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}`",
+             "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
+             f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
+             "collapsed | wall time (s) |", "|---" * 12 + "|"]
+    for (arm, seed), run in sorted(runs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
+        rows, e = run["rows"], evals(run["rows"])
+        reach = first_step_reaching(rows, "eval/pass@1", args.target)
+        trained = [r for r in rows if "time/train_s" in r]
+        kl = (f"{over_steps(rows, 'offpolicy/behaviour_kl'):.3g}, {over_steps(rows, 'offpolicy/behaviour_kl', max):.3g}"
+              if arm != "K0" else "0 (mu = pi_old)")
+        ess = (f"{over_steps(rows, 'offpolicy/ess'):.3f}, {over_steps(rows, 'offpolicy/ess', min):.3f}" if arm != "K0" else "1")
+        per_step = compute_seconds(rows, 10**9) / len(trained)
+        cells = [arm, str(seed), pass1(e, "eval/"), pass1(e, "eval/transfer/"),
+                 f"{e[0]['eval/greedy']:.2f} -> {e[-1]['eval/greedy']:.2f}",
+                 "never" if reach is None else str(reach), "never" if reach is None else f"{compute_seconds(rows, reach):.0f}",
+                 f"{per_step:.1f}", kl, ess, "yes" if collapsed(rows) else "no", f"{run['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}
+    lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
+        f"{arm} {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])}" for arm, rows in finals.items() if rows)]
+    out = save_table(args.name, "\n".join(lines) + "\n")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for i, arm in enumerate(args.arms):
+        for j, rows in enumerate(finals.get(arm, [])):
+            e, label = evals(rows), arm if j == 0 else None
+            axes[0].errorbar([r["step"] for r in e], [r["eval/pass@1"] for r in e], yerr=[r["eval/pass@1_se"] for r in e],
+                             color=f"C{i}", marker="o", capsize=2, alpha=0.8, label=label)
+            trained = [r for r in rows if "time/train_s" in r]
+            axes[1].plot([r["step"] for r in trained], [r.get("offpolicy/behaviour_kl", 0.0) for r in trained], color=f"C{i}",
+                         alpha=0.8, label=label)
+            axes[2].plot([r["step"] for r in trained], [r["reward/mean"] for r in trained], color=f"C{i}", alpha=0.8, label=label)
+    axes[0].axhline(args.target, color="grey", lw=0.5)
+    axes[0].set(xlabel="step", ylabel="held-out pass@1 (± se)")
+    axes[1].set(xlabel="step", ylabel="behaviour KL (k3, mu vs pi_old)", yscale="symlog")
+    axes[2].set(xlabel="step", ylabel="training reward (mean)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{args.name}.png", dpi=110)
+    print(statistics.mean([r["wall_s"] for r in runs.values()]) / 60, "min a run on average")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,156 @@
+"""Where the real-model recipe's accuracy comes from, problem by problem, and why it does not transfer.
+
+    python repro/real_model_why.py        # the base model and the three seeds' final checkpoints: ~25 min on 2 cores
+
+For the base model and each --runs checkpoint, on the first --problems of both held-out sets (the training
+generator's test split, the independent transfer set): --samples completions per problem at T 0.7 and one
+greedy, at most 128 new tokens, every model drawing the same uniforms (the evaluation's keys with seed 0: a
+paired comparison; the runs' own evaluations use their seed's keys, so their numbers differ by sampling noise).
+Problems are grouped by the number of steps of their reference solution (one line each) and by the operations
+in them. Per group: pass@1, greedy, format rate (`#### N`), the share cut at the budget, and how far a sampled
+completion gets through the reference's steps (step i is reached when the completion writes the reference's
+i-th intermediate result, and every step before it is: where the chain breaks; a result that is also a number
+of the question counts as written). From each run's training log: the share of groups with a
+reward signal, of completions cut, and the two reward parts, in the first and last ten steps.
+Writes repro/results/<name>.md.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import tyro
+from runner import ROOT, save_table
+
+from common.logging import read_metrics
+from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
+from common.rollout import EVAL_KEY, rollout
+from common.tasks import gsm8k_formatted, gsm8k_reward, gsm8k_rows, read_rows
+from common.word_problems import solution_steps
+
+DATA = ROOT / "data" / "word_problems"
+RECIPE_RUNS = ROOT / "runs" / "repro_real_model_recipe"
+
+
+@dataclass
+class Args:
+    runs: list[str] = field(default_factory=lambda: [f"shaped_lr1e-5_s{s}" for s in range(3)])
+    """run names under runs/repro_real_model_recipe; each one's last checkpoint is evaluated"""
+    problems: int = 100
+    samples: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 0.7
+    name: str = "real_model_why"
+
+
+def numbers_in(text: str) -> set[int]:
+    return {int(n) for n in re.findall(r"\d+", text.replace(",", ""))}
+
+
+def score_model(path: str, sets: dict, args: Args) -> dict:
+    """{set: [per problem {correct: [bool] * samples, greedy, formatted, cut, reached: steps reached per sample}]}"""
+    tokenizer = load_tokenizer(path)
+    model = load_model(path).eval()
+    eos = eos_token_ids(model, tokenizer)
+    out = {}
+    for name, (rows, raw) in sets.items():
+        prompts, answers, n = [r["prompt"] for r in rows], [r["answer"] for r in rows], args.samples
+        sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
+                          [(0, EVAL_KEY, i, j) for i in range(len(rows)) for j in range(n)], args.max_new_tokens,
+                          args.temperature, eos, torch.device("cpu"))
+        greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), args.max_new_tokens, 0.0, eos, torch.device("cpu"))
+        correct = gsm8k_reward(sampled.texts, [a for a in answers for _ in range(n)])
+        formatted = gsm8k_formatted(sampled.texts)
+        cut = (~sampled.finished).tolist()
+        greedy_correct = gsm8k_reward(greedy.texts, answers)
+        out[name] = []
+        for i, row in enumerate(raw):
+            steps = [(op, result) for _, op, _, result in solution_steps(row["answer"])]
+            texts = sampled.texts[i * n : (i + 1) * n]
+            reached = []
+            for text in texts:  # the number of leading reference steps whose result the completion writes
+                found = numbers_in(text)
+                reached.append(next((k for k, (_, value) in enumerate(steps) if value not in found), len(steps)))
+            out[name].append({"steps": len(steps), "ops": " ".join(op for op, _ in steps),
+                              "correct": [c >= 1 for c in correct[i * n : (i + 1) * n]],
+                              "formatted": formatted[i * n : (i + 1) * n], "cut": cut[i * n : (i + 1) * n],
+                              "greedy": greedy_correct[i] >= 1, "reached": reached})
+    del model
+    return out
+
+
+def summary(problems: list[dict]) -> dict:
+    def mean(key):
+        return statistics.mean(x for p in problems for x in (p[key] if isinstance(p[key], list) else [p[key]]))
+
+    return {"n": len(problems), "pass@1": mean("correct"), "greedy": mean("greedy"), "format": mean("formatted"),
+            "cut": mean("cut"), "reached": statistics.mean(r / p["steps"] for p in problems for r in p["reached"])}
+
+
+def training_log(run: str) -> str:
+    rows = [r for r in read_metrics(RECIPE_RUNS / run) if "policy/grad_norm" in r]
+
+    def avg(part, key):
+        return statistics.mean(r[key] for r in part)
+
+    first, last = rows[:10], rows[-10:]
+    return (f"| {run} | {1 - avg(first, 'frac_reward_zero_std'):.2f} -> {1 - avg(last, 'frac_reward_zero_std'):.2f} | "
+            f"{avg(first, 'completions/clipped_frac'):.2f} -> {avg(last, 'completions/clipped_frac'):.2f} | "
+            f"{avg(first, 'reward/gsm8k_reward'):.3f} -> {avg(last, 'reward/gsm8k_reward'):.3f} | "
+            f"{avg(first, 'reward/gsm8k_format_reward'):.2f} -> {avg(last, 'reward/gsm8k_format_reward'):.2f} |")
+
+
+def last_checkpoint(run: str) -> str:
+    checkpoints = sorted((RECIPE_RUNS / run / "checkpoints").glob("step_*"))
+    if not checkpoints:
+        raise SystemExit(f"--runs {run}: no checkpoint under {RECIPE_RUNS / run} (run repro/real_model_recipe.py first)")
+    return str(checkpoints[-1])
+
+
+def main(args: Args) -> None:
+    paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
+    sets = {}
+    for name, file in (("held-out", "test.jsonl"), ("transfer", "transfer.jsonl")):
+        raw = read_rows(str(DATA / file))[: args.problems]
+        sets[name] = (gsm8k_rows(raw, file), raw)
+    results = {model: score_model(path, sets, args) for model, path in paths.items()}
+    trained = list(args.runs)
+    lines = [f"`python repro/real_model_why.py --runs {' '.join(args.runs)} --problems {args.problems} --samples {args.samples}`",
+             "", f"By the number of steps of the reference solution (base -> mean of the {len(trained)} trained checkpoints; "
+             "'steps reached': the share of the reference's steps whose results a sampled completion writes, in order):", "",
+             "| set | steps | problems | pass@1 | greedy | format | cut at 128 | steps reached |", "|---" * 8 + "|"]
+
+    def row(label: str, steps: str, select) -> str:
+        base = summary([p for p in results["base"][label] if select(p)])
+        runs = [summary([p for p in results[r][label] if select(p)]) for r in trained]
+        cells = [f"{base[k]:.{2 if k != 'pass@1' else 3}f} -> {statistics.mean(s[k] for s in runs):.{2 if k != 'pass@1' else 3}f}"
+                 for k in ("pass@1", "greedy", "format", "cut", "reached")]
+        return f"| {label} | {steps} | {base['n']} | " + " | ".join(cells) + " |"
+
+    for label in sets:
+        for k in sorted({p["steps"] for p in results["base"][label]}):
+            lines.append(row(label, str(k), lambda p, k=k: p["steps"] == k))
+        lines.append(row(label, "all", lambda p: True))
+    lines += ["", "By the operations of the reference solution (problems; pass@1 base -> trained):", "",
+              "| set | operations | problems | pass@1 | greedy |", "|---" * 5 + "|"]
+    for label in sets:
+        for ops in sorted({p["ops"] for p in results["base"][label]}, key=lambda o: (len(o), o)):
+            base = summary([p for p in results["base"][label] if p["ops"] == ops])
+            runs = [summary([p for p in results[r][label] if p["ops"] == ops]) for r in trained]
+            lines.append(f"| {label} | {ops} | {base['n']} | {base['pass@1']:.3f} -> {statistics.mean(s['pass@1'] for s in runs):.3f} "
+                         f"| {base['greedy']:.2f} -> {statistics.mean(s['greedy'] for s in runs):.2f} |")
+    lines += ["", "Training (first 10 -> last 10 steps): groups with a reward signal, completions cut at the budget, "
+              "accuracy reward, format reward:", "", "| run | groups with signal | cut | accuracy reward | format reward |",
+              "|---" * 5 + "|", *[training_log(run) for run in trained]]
+    right = {m: [ok for label in sets for p in results[m][label] for ok, f in zip(p["correct"], p["formatted"]) if f]
+             for m in paths}
+    lines += ["", "Formatted completions that are right: " + ", ".join(
+        f"{m} {sum(v) / max(len(v), 1):.3f} of {len(v)}" for m, v in right.items())]
+    save_table(args.name, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -162,31 +162,27 @@ def solution_steps(answer: str) -> list[tuple[int, str, int, int]]:
     return [(int(a), op, int(b), int(c)) for a, op, b, c in (STEP.search(line).groups() for line in lines)]
 
 
-def build_transfer(n: int = 200, seed: int = 2) -> list[dict]:
-    """n distinct transfer problems (transfer_problem), from their own seed."""
-    r, rows, seen = random.Random(seed), [], set()
+def distinct(make, r: random.Random, n: int, seen: set[str]) -> list[dict]:
+    """n problems make(r) whose questions are not in `seen` nor repeated (seen grows with them)."""
+    rows = []
     while len(rows) < n:
-        row = transfer_problem(r)
+        row = make(r)
         if row["question"] not in seen:
             seen.add(row["question"])
             rows.append(row)
     return rows
 
 
+def build_transfer(n: int = 200, seed: int = 2) -> list[dict]:
+    """n distinct transfer problems (transfer_problem), from their own seed."""
+    return distinct(transfer_problem, random.Random(seed), n, set())
+
+
 def build(n_train: int = 2000, n_test: int = 200, seed: int = 0) -> tuple[list[dict], list[dict]]:
     """Held-out problems first (seed), then training problems (seed + 1) that repeat none of them."""
-    def draw(r: random.Random, n: int, seen: set[str]) -> list[dict]:
-        rows = []
-        while len(rows) < n:
-            row = problem(r)
-            if row["question"] not in seen:
-                seen.add(row["question"])
-                rows.append(row)
-        return rows
-
     seen: set[str] = set()
-    test = draw(random.Random(seed), n_test, seen)
-    return draw(random.Random(seed + 1), n_train, seen), test
+    test = distinct(problem, random.Random(seed), n_test, seen)
+    return distinct(problem, random.Random(seed + 1), n_train, seen), test
 
 
 def write(directory: str | Path, n_train: int = 2000, n_test: int = 200) -> tuple[Path, Path]:

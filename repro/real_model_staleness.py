@@ -26,7 +26,6 @@ study. Writes repro/results/<name>.{md,png}.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 
 import tyro
@@ -81,7 +80,7 @@ def collapsed(rows: list[dict]) -> bool:
 def check_k0(base: list[str], output_dir: str) -> None:
     """K = 0 emulated is grpo.py bit for bit by construction (the same draws from the same weights, the same loss
     code); the test suite checks it on the embedded model, this on the real one: every logged number but timings."""
-    short = [*base, "--steps", "2", "--eval-every", "0"]
+    short = [*base, "--steps", "2", "--eval-every", "0", "--eval-prompts", "2"]  # evaluates at the first and last step
     runs = run_jobs([Job("check_k0_grpo", "grpo.py", short),
                      Job("check_k0_async", "async_grpo.py", [*short, "--mode", "emulated", "--max-staleness", "0"])], output_dir)
     grpo, emulated = (runs[n]["rows"] for n in ("check_k0_grpo", "check_k0_async"))
@@ -109,9 +108,13 @@ def main(args: Args) -> None:
     jobs = [Job(f"{arm}_s{s}", ARMS[arm][0], [*base, *ARMS[arm][1], "--seed", str(s)]) for arm, s in plan if arm != "K0"]
     done = run_jobs(jobs, args.output_dir)
     runs.update({(arm, s): done[f"{arm}_s{s}"] for arm, s in plan if arm != "K0"})
+    for run in runs.values():  # a longer run (the recipe's K = 0) is read up to --steps: lr is constant, so its
+        run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
+        run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
 
     lines = [f"`python repro/real_model_staleness.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} "
-             f"--steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}`",
+             f"--steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
+             + (f" --output-dir {args.output_dir} --name {args.name}" if args.name != "real_model_staleness" else "") + "`",
              "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
              "collapsed | wall time (s) |", "|---" * 12 + "|"]
@@ -126,7 +129,8 @@ def main(args: Args) -> None:
         cells = [arm, str(seed), pass1(e, "eval/"), pass1(e, "eval/transfer/"),
                  f"{e[0]['eval/greedy']:.2f} -> {e[-1]['eval/greedy']:.2f}",
                  "never" if reach is None else str(reach), "never" if reach is None else f"{compute_seconds(rows, reach):.0f}",
-                 f"{per_step:.1f}", kl, ess, "yes" if collapsed(rows) else "no", f"{run['wall_s']:.0f}"]
+                 f"{per_step:.1f}", kl, ess, "yes" if collapsed(rows) else "no",
+                 f"{run['wall_s']:.0f}" + (f" (all {run['ran']} steps)" if run["ran"] > args.steps else "")]
         lines.append("| " + " | ".join(cells) + " |")
     finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}
     lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
@@ -153,7 +157,6 @@ def main(args: Args) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / f"{args.name}.png", dpi=110)
-    print(statistics.mean([r["wall_s"] for r in runs.values()]) / 60, "min a run on average")
 
 
 if __name__ == "__main__":

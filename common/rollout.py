@@ -333,14 +333,12 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     return metrics
 
 
-def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_new_tokens: int, temperature: float,
-                 eos_ids: list[int], device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None,
-                 top_k: int = 0, top_p: float = 1.0) -> dict[str, float]:
-    """evaluate() on one held-out Dataset, its metrics named prefix + name. pass@1_se and greedy_se are the standard
-    errors of the mean over prompts (pass@1: the spread of the per-prompt pass@1 over sqrt(prompts))."""
-    from accelerate.utils import gather_object
-
-    idx = list(range(rank, len(data), world))
+def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_tokens: int, temperature: float,
+                  eos_ids: list[int], device, seed: int, batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0):
+    """The evaluation's completions of data's rows idx, scored: n samples each with keys (seed, EVAL_KEY, row,
+    sample), the same draws at every evaluation and for every model, and one greedy completion each. Returns the
+    sampled Rollout (row-major: a prompt's n samples together), their rewards and successes, and the greedy
+    completions' successes."""
     shard = data.select(idx)
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
     repeated = [a for a in answers for _ in range(n)]
@@ -351,6 +349,19 @@ def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_
     greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
                      task.envs(answers), batch_size)
     _, greedy_successes = task.score(greedy, answers, shard)
+    return sampled, rewards, successes, greedy_successes
+
+
+def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_new_tokens: int, temperature: float,
+                 eos_ids: list[int], device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None,
+                 top_k: int = 0, top_p: float = 1.0) -> dict[str, float]:
+    """evaluate() on one held-out Dataset, its metrics named prefix + name. pass@1_se and greedy_se are the standard
+    errors of the mean over prompts (pass@1: the spread of the per-prompt pass@1 over sqrt(prompts))."""
+    from accelerate.utils import gather_object
+
+    idx = list(range(rank, len(data), world))
+    sampled, rewards, successes, greedy_successes = eval_rollouts(model, tokenizer, task, data, idx, n, max_new_tokens,
+                                                                  temperature, eos_ids, device, seed, batch_size, top_k, top_p)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote

@@ -25,7 +25,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import tyro
-from runner import Job, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs, save_table
+from runner import Job, collapsed, evals, first_step_reaching, mean_over_steps, mean_sd, pyplot, run_jobs, save_table
 
 CORRECTIONS = ["none", "tis", "decoupled"]
 
@@ -44,11 +44,6 @@ class Args:
 
 def learning_name(K: int, correction: str, seed: int) -> str:
     return f"emu_K{K}_{'all' if K == 0 else correction}_s{seed}"
-
-
-def collapsed(rows: list[dict]) -> bool:
-    p = [r["eval/pass@1"] for r in evals(rows)]
-    return p[-1] < 0.5 * max(p) or p[-1] < p[0]
 
 
 def main(args: Args) -> None:

@@ -71,11 +71,12 @@ def rise_in_se(first: dict, last: dict, key: str) -> float:
 def main(args: Args) -> None:
     if not (DATA / "transfer.jsonl").is_file():
         word_problems.write(DATA)
+    plan = []
     for run in args.runs:
         recipe, _, seed = run.partition(":")
         if recipe not in RECIPES or not seed.isdigit():
             raise SystemExit(f"--runs {run!r}: expected recipe:seed, the recipe one of {', '.join(RECIPES)}")
-    plan = [(recipe, int(seed)) for recipe, _, seed in (run.partition(":") for run in args.runs)]
+        plan.append((recipe, int(seed)))
     jobs = [Job(f"{recipe}_s{seed}", "grpo.py", [*flags(args), *RECIPES[recipe], "--seed", str(seed)]) for recipe, seed in plan]
     runs = run_jobs(jobs, args.output_dir, workers=1)
     keys = [("pass@1", "pass@1"), ("pass@k", "pass@4"), ("greedy", "greedy"), ("format_rate", "format"),

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
-from runner import Job, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
+from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
 
-ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run
+ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
     "K2_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "2", "--correction", "none"]),
     "K4_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none"]),
@@ -59,10 +59,11 @@ class Args:
     unless their logged numbers are identical"""
 
 
-def compute_seconds(rows: list[dict], up_to: int) -> float:
-    """Sampling (or waiting for the generator) + training, summed over steps <= up_to: evaluation left out."""
+def compute_seconds(rows: list[dict], up_to: int | None = None) -> float:
+    """Sampling (or waiting for the generator) + training, summed over steps <= up_to (all if None): evaluation
+    left out."""
     wait = "time/learner_wait_s" if any("time/learner_wait_s" in r for r in rows) else "time/rollout_s"
-    return sum(r[wait] + r["time/train_s"] for r in rows if "time/train_s" in r and r["step"] <= up_to)
+    return sum(r[wait] + r["time/train_s"] for r in rows if "time/train_s" in r and (up_to is None or r["step"] <= up_to))
 
 
 def pass1(e: list[dict], prefix: str) -> str:
@@ -70,11 +71,6 @@ def pass1(e: list[dict], prefix: str) -> str:
     first, last = e[0], e[-1]
     return (f"{first[prefix + 'pass@1']:.3f} ± {first[prefix + 'pass@1_se']:.3f} -> "
             f"{last[prefix + 'pass@1']:.3f} ± {last[prefix + 'pass@1_se']:.3f}")
-
-
-def collapsed(rows: list[dict]) -> bool:
-    p = [r["eval/pass@1"] for r in evals(rows)]
-    return p[-1] < p[0] or p[-1] < 0.5 * max(p)
 
 
 def check_k0(base: list[str], output_dir: str) -> None:
@@ -102,12 +98,16 @@ def main(args: Args) -> None:
     if args.check_k0:
         check_k0(base, args.output_dir)
     plan = [(arm, seed) for arm in args.arms for seed in (args.seeds if arm != "threaded" else [0])]
-    # K = 0 is grpo.py: the recipe's run, in the recipe's directory (skipped there when it has finished)
-    k0 = [Job(f"{args.recipe}_s{s}", "grpo.py", [*base, "--seed", str(s)]) for arm, s in plan if arm == "K0"]
-    runs = {("K0", int(name.rsplit("_s", 1)[1])): run for name, run in run_jobs(k0, "runs/repro_real_model_recipe").items()}
-    jobs = [Job(f"{arm}_s{s}", ARMS[arm][0], [*base, *ARMS[arm][1], "--seed", str(s)]) for arm, s in plan if arm != "K0"]
-    done = run_jobs(jobs, args.output_dir)
-    runs.update({(arm, s): done[f"{arm}_s{s}"] for arm, s in plan if arm != "K0"})
+
+    def job(arm: str, seed: int) -> Job:
+        if arm == "K0":  # grpo.py: the recipe's own run, in the recipe's directory (skipped when it has finished)
+            return Job(f"{args.recipe}_s{seed}", "grpo.py", [*base, "--seed", str(seed)])
+        return Job(f"{arm}_s{seed}", ARMS[arm][0], [*base, *ARMS[arm][1], "--seed", str(seed)])
+
+    jobs = {(arm, seed): job(arm, seed) for arm, seed in plan}
+    done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir),
+            **run_jobs([j for (arm, _), j in jobs.items() if arm != "K0"], args.output_dir)}
+    runs = {key: done[j.name] for key, j in jobs.items()}
     for run in runs.values():  # a longer run (the recipe's K = 0) is read up to --steps: lr is constant, so its
         run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
@@ -125,7 +125,7 @@ def main(args: Args) -> None:
         kl = (f"{over_steps(rows, 'offpolicy/behaviour_kl'):.3g}, {over_steps(rows, 'offpolicy/behaviour_kl', max):.3g}"
               if arm != "K0" else "0 (mu = pi_old)")
         ess = (f"{over_steps(rows, 'offpolicy/ess'):.3f}, {over_steps(rows, 'offpolicy/ess', min):.3f}" if arm != "K0" else "1")
-        per_step = compute_seconds(rows, 10**9) / len(trained)
+        per_step = compute_seconds(rows) / len(trained)
         cells = [arm, str(seed), pass1(e, "eval/"), pass1(e, "eval/transfer/"),
                  f"{e[0]['eval/greedy']:.2f} -> {e[-1]['eval/greedy']:.2f}",
                  "never" if reach is None else str(reach), "never" if reach is None else f"{compute_seconds(rows, reach):.0f}",

@@ -27,8 +27,8 @@ from runner import ROOT, save_table
 
 from common.logging import read_metrics
 from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
-from common.rollout import EVAL_KEY, rollout
-from common.tasks import gsm8k_formatted, gsm8k_reward, gsm8k_rows, read_rows
+from common.rollout import eval_rollouts
+from common.tasks import load_task, read_rows
 from common.word_problems import solution_steps
 
 DATA = ROOT / "data" / "word_problems"
@@ -50,35 +50,26 @@ def numbers_in(text: str) -> set[int]:
     return {int(n) for n in re.findall(r"\d+", text.replace(",", ""))}
 
 
-def score_model(path: str, sets: dict, args: Args) -> dict:
+def score_model(path: str, task, raw: dict, args: Args) -> dict:
     """{set: [per problem {correct: [bool] * samples, greedy, formatted, cut, reached: steps reached per sample}]}"""
     tokenizer = load_tokenizer(path)
     model = load_model(path).eval()
-    eos = eos_token_ids(model, tokenizer)
-    out = {}
-    for name, (rows, raw) in sets.items():
-        prompts, answers, n = [r["prompt"] for r in rows], [r["answer"] for r in rows], args.samples
-        sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
-                          [(0, EVAL_KEY, i, j) for i in range(len(rows)) for j in range(n)], args.max_new_tokens,
-                          args.temperature, eos, torch.device("cpu"))
-        greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), args.max_new_tokens, 0.0, eos, torch.device("cpu"))
-        correct = gsm8k_reward(sampled.texts, [a for a in answers for _ in range(n)])
-        formatted = gsm8k_formatted(sampled.texts)
-        cut = (~sampled.finished).tolist()
-        greedy_correct = gsm8k_reward(greedy.texts, answers)
+    out, n, eos = {}, args.samples, eos_token_ids(model, tokenizer)
+    for name, data in (("held-out", task.test), ("transfer", task.extra_tests["transfer"])):
+        sampled, _, correct, greedy_correct = eval_rollouts(
+            model, tokenizer, task, data, list(range(len(data))), n, args.max_new_tokens, args.temperature,
+            eos, torch.device("cpu"), seed=0)
+        formatted, cut = task.formatted(sampled.texts), (~sampled.finished).tolist()
         out[name] = []
-        for i, row in enumerate(raw):
+        for i, row in enumerate(raw[name]):
             steps = [(op, result) for _, op, _, result in solution_steps(row["answer"])]
-            texts = sampled.texts[i * n : (i + 1) * n]
             reached = []
-            for text in texts:  # the number of leading reference steps whose result the completion writes
+            for text in sampled.texts[i * n : (i + 1) * n]:  # the number of leading reference steps whose result it writes
                 found = numbers_in(text)
                 reached.append(next((k for k, (_, value) in enumerate(steps) if value not in found), len(steps)))
             out[name].append({"steps": len(steps), "ops": " ".join(op for op, _ in steps),
-                              "correct": [c >= 1 for c in correct[i * n : (i + 1) * n]],
-                              "formatted": formatted[i * n : (i + 1) * n], "cut": cut[i * n : (i + 1) * n],
-                              "greedy": greedy_correct[i] >= 1, "reached": reached})
-    del model
+                              "correct": correct[i * n : (i + 1) * n], "formatted": formatted[i * n : (i + 1) * n],
+                              "cut": cut[i * n : (i + 1) * n], "greedy": greedy_correct[i], "reached": reached})
     return out
 
 
@@ -112,11 +103,11 @@ def last_checkpoint(run: str) -> str:
 
 def main(args: Args) -> None:
     paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
-    sets = {}
-    for name, file in (("held-out", "test.jsonl"), ("transfer", "transfer.jsonl")):
-        raw = read_rows(str(DATA / file))[: args.problems]
-        sets[name] = (gsm8k_rows(raw, file), raw)
-    results = {model: score_model(path, sets, args) for model, path in paths.items()}
+    task = load_task("gsm8k", str(DATA / "train.jsonl"), str(DATA / "test.jsonl"), args.problems,
+                     extra_eval_paths=[str(DATA / "transfer.jsonl")])  # as the runs evaluate: their first rows
+    raw = {name: read_rows(str(DATA / file))[: args.problems]  # with the worked solutions, which the task drops
+           for name, file in (("held-out", "test.jsonl"), ("transfer", "transfer.jsonl"))}
+    results = {model: score_model(path, task, raw, args) for model, path in paths.items()}
     trained = list(args.runs)
     lines = [f"`python repro/real_model_why.py --runs {' '.join(args.runs)} --problems {args.problems} --samples {args.samples}`",
              "", f"By the number of steps of the reference solution (base -> mean of the {len(trained)} trained checkpoints; "
@@ -130,13 +121,13 @@ def main(args: Args) -> None:
                  for k in ("pass@1", "greedy", "format", "cut", "reached")]
         return f"| {label} | {steps} | {base['n']} | " + " | ".join(cells) + " |"
 
-    for label in sets:
+    for label in raw:
         for k in sorted({p["steps"] for p in results["base"][label]}):
             lines.append(row(label, str(k), lambda p, k=k: p["steps"] == k))
         lines.append(row(label, "all", lambda p: True))
     lines += ["", "By the operations of the reference solution (problems; pass@1 base -> trained):", "",
               "| set | operations | problems | pass@1 | greedy |", "|---" * 5 + "|"]
-    for label in sets:
+    for label in raw:
         for ops in sorted({p["ops"] for p in results["base"][label]}, key=lambda o: (len(o), o)):
             base = summary([p for p in results["base"][label] if p["ops"] == ops])
             runs = [summary([p for p in results[r][label] if p["ops"] == ops]) for r in trained]
@@ -145,7 +136,7 @@ def main(args: Args) -> None:
     lines += ["", "Training (first 10 -> last 10 steps): groups with a reward signal, completions cut at the budget, "
               "accuracy reward, format reward:", "", "| run | groups with signal | cut | accuracy reward | format reward |",
               "|---" * 5 + "|", *[training_log(run) for run in trained]]
-    right = {m: [ok for label in sets for p in results[m][label] for ok, f in zip(p["correct"], p["formatted"]) if f]
+    right = {m: [ok for label in raw for p in results[m][label] for ok, f in zip(p["correct"], p["formatted"]) if f]
              for m in paths}
     lines += ["", "Formatted completions that are right: " + ", ".join(
         f"{m} {sum(v) / max(len(v), 1):.3f} of {len(v)}" for m, v in right.items())]

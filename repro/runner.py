@@ -52,6 +52,12 @@ def evals(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "eval/pass@1" in r]
 
 
+def collapsed(rows: list[dict]) -> bool:
+    """A run collapsed if its final held-out pass@1 is below half its best, or below the base model's."""
+    p = [r["eval/pass@1"] for r in evals(rows)]
+    return p[-1] < 0.5 * max(p) or p[-1] < p[0]
+
+
 def first_step_reaching(rows: list[dict], key: str, threshold: float) -> int | None:
     """The first evaluated step at which rows[key] >= threshold (None if never)."""
     return next((r["step"] for r in evals(rows) if r[key] >= threshold), None)

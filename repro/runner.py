@@ -32,20 +32,36 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, di
     def one(job: Job) -> tuple[str, dict]:
         run_dir = ROOT / output_dir / job.name
         done = run_dir / "done.json"
-        if not done.exists():
+        before = json.loads(done.read_text()) if done.exists() else None
+        resume = []
+        if before is not None and shorter(run_dir, job):  # a finished shorter run is extended from its last checkpoint
+            resume, before["extended_from"] = ["--resume", str(run_dir)], read_metrics(run_dir)[-1]["step"]
+        if before is None or resume:
             t0 = time.time()
-            proc = subprocess.Popen([sys.executable, job.script, *job.flags, "--output-dir", output_dir, "--run-name", job.name],
-                                    cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, job.script, *job.flags, *resume, "--output-dir", output_dir,
+                                     "--run-name", job.name], cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     env={**os.environ, "OMP_NUM_THREADS": threads})
             _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
             if status != 0:
                 raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {status}")
-            done.write_text(json.dumps({"wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024}) + "\n")
-            print(f"  {job.name}: {json.loads(done.read_text())['wall_s']:.0f}s", flush=True)
+            wall, peak = time.time() - t0, usage.ru_maxrss / 1024
+            if before:  # wall time of all the pieces
+                wall, peak = wall + before["wall_s"], max(peak, before["peak_rss_mb"])
+            done.write_text(json.dumps({**(before or {}), "wall_s": wall, "peak_rss_mb": peak}) + "\n")
+            print(f"  {job.name}: {wall:.0f}s", flush=True)
         return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(one, jobs))
+
+
+def shorter(run_dir: Path, job: Job) -> bool:
+    """Whether the finished run in run_dir stopped before the job's --steps (so the job extends it by resuming;
+    async_grpo.py's emulated mode and grpo.py resume exactly, tested in tests/test_async_grpo.py and test_checkpoint.py)."""
+    if "--steps" not in job.flags:
+        return False
+    steps = int(job.flags[job.flags.index("--steps") + 1])
+    return json.loads((run_dir / "args.json").read_text())["steps"] < steps
 
 
 def evals(rows: list[dict]) -> list[dict]:

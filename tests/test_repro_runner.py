@@ -1,0 +1,26 @@
+"""The reproductions' runner: a finished run is reused, and a longer job extends a shorter finished run from its last
+checkpoint, logging what an uninterrupted run of the longer length logs."""
+
+import json
+import sys
+
+from conftest import ROOT, without_timing
+
+sys.path.insert(0, str(ROOT / "repro"))
+from runner import Job, run_jobs  # noqa: E402
+
+FLAGS = ["--prompts-per-step", "8", "--num-generations", "4", "--eval-prompts", "16", "--eval-samples", "4",
+         "--eval-k", "2", "--eval-every", "2", "--device", "cpu"]
+
+
+def test_a_longer_job_extends_a_finished_shorter_run(tmp_path):
+    short, long = Job("run", "grpo.py", [*FLAGS, "--steps", "2"]), Job("run", "grpo.py", [*FLAGS, "--steps", "4"])
+    first = run_jobs([short], str(tmp_path / "extended"))["run"]
+    again = run_jobs([short], str(tmp_path / "extended"))["run"]  # finished: not run again
+    assert again["wall_s"] == first["wall_s"]
+    extended = run_jobs([long], str(tmp_path / "extended"))["run"]
+    whole = run_jobs([long], str(tmp_path / "whole"))["run"]
+    assert [r["step"] for r in extended["rows"] if "loss" in r] == [1, 2, 3, 4]
+    assert without_timing(extended["rows"]) == without_timing(whole["rows"])
+    done = json.loads((tmp_path / "extended" / "run" / "done.json").read_text())
+    assert done["extended_from"] == 2 and done["wall_s"] > first["wall_s"]

@@ -249,6 +249,35 @@ def gsm8k_format_reward(completions: list[str], answers: list[str], **_) -> list
     return [float(f) for f in gsm8k_formatted(completions)]
 
 
+_RESULT = re.compile(r"=\s*\$?(" + _NUMBER.pattern + ")")
+
+
+def intermediate_results(answer: str) -> list[Decimal]:
+    """The results of a worked solution's steps before its last: each number after an '=' above the '####' line
+    (the word problems' '5 x 9 = 45', GSM8K's '<<5*9=45>>45'), in order, repeats and the final answer dropped."""
+    results: list[Decimal] = []
+    for match in _RESULT.finditer(answer.rsplit("####", 1)[0]):
+        value = Decimal(match.group(1).replace(",", "").lstrip("+"))
+        if value not in results:
+            results.append(value)
+    final = extract_number(answer)
+    return [v for v in results if v != final]
+
+
+def gsm8k_steps_reward(completions: list[str], answers: list[str], solution: list[str], **_) -> list[float]:
+    """Partial credit for a multi-step solution: the share of the worked solution's intermediate results (in order,
+    up to the first one missing) that the completion writes; 0 for a one-step problem (or an answer with no worked
+    steps), the same for every completion of its group, so no advantage. A shaping reward to add, weighted, to
+    gsm8k_reward: groups whose completions all miss the final answer are ranked by how far they got
+    (repro/README.md, "Why accuracy does not transfer")."""
+    rewards = []
+    for c, a in zip(completions, solution):
+        results, written = intermediate_results(a), {Decimal(n.replace(",", "").lstrip("+")) for n in _NUMBER.findall(c)}
+        reached = next((k for k, v in enumerate(results) if v not in written), len(results))
+        rewards.append(reached / len(results) if results else 0.0)
+    return rewards
+
+
 def gsm8k_reward(completions: list[str], answers: list[str], **_) -> list[float]:
     rewards = []
     for c, a in zip(completions, answers):
@@ -283,7 +312,8 @@ def read_rows(path: str) -> list[dict]:
 
 
 def gsm8k_rows(rows: list[dict], source: str) -> list[dict]:
-    """Check every row and turn it into {prompt, answer}; a bad row is named by its index."""
+    """Check every row and turn it into {prompt, answer: the final number, solution: the worked answer as given};
+    a bad row is named by its index."""
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -296,7 +326,7 @@ def gsm8k_rows(rows: list[dict], source: str) -> list[dict]:
             answer = str(answer)
         if not isinstance(answer, str) or extract_number(answer) is None:
             raise ConfigError(f"{source} row {i}: field 'answer' must contain a final number (e.g. '#### 42')")
-        out.append({"prompt": question.strip() + GSM8K_INSTRUCTION, "answer": str(extract_number(answer))})
+        out.append({"prompt": question.strip() + GSM8K_INSTRUCTION, "answer": str(extract_number(answer)), "solution": answer})
     if not out:
         raise ConfigError(f"{source}: no rows")
     return out

@@ -29,6 +29,9 @@ RECIPES = {  # name: flags
     "shaped_lr3e-6": [*SHAPED, "--lr", "3e-6"],
     "accuracy_lr1e-5": ["--lr", "1e-5"],
     "shaped_lora_lr1e-4": [*SHAPED, "--lr", "1e-4", "--lora-r", "16", "--lora-alpha", "32"],
+    # partial credit per intermediate result: multi-step prompts whose 8 completions all miss still rank them
+    "stepwise_lr1e-5": ["--reward", "common.tasks:gsm8k_reward", "common.tasks:gsm8k_format_reward",
+                        "common.tasks:gsm8k_steps_reward", "--reward-weights", "1", "0.2", "0.5", "--lr", "1e-5"],
 }
 SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"))
 

@@ -6,7 +6,8 @@ from decimal import Decimal
 import pytest
 
 from common.cli import ConfigError
-from common.tasks import digit_match_reward, exact_match_reward, extract_number, gsm8k_reward, load_task
+from common.tasks import (digit_match_reward, exact_match_reward, extract_number, gsm8k_reward, gsm8k_steps_reward,
+                          intermediate_results, load_task)
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples?", "answer": "3 + 4 = 7\n#### 7"},
@@ -37,6 +38,47 @@ def test_gsm8k_reward_on_tricky_answers(completion, answer, reward):
 def test_extract_number_prefers_the_final_answer_marker():
     assert extract_number("3 + 4 = 7\n#### 7") == Decimal(7)
     assert extract_number("nothing") is None
+
+
+THREE_STEPS = "The oranges cost 5 x 9 = 45 dollars.\nWith the bag: 45 + 4 = 49 dollars.\nChange: 52 - 49 = 3 dollars.\n#### 3"
+
+
+def test_intermediate_results_are_the_step_results_before_the_final_answer():
+    assert intermediate_results(THREE_STEPS) == [45, 49]
+    assert intermediate_results("She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72") == [24]
+    assert intermediate_results("Each gets 40 / 5 = 8 apples.\n#### 8") == []
+    assert intermediate_results("#### 3.5") == []
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("5 x 9 = 45, 45 + 4 = 49, 52 - 49 = 3 #### 3", 1.0),
+    ("45 and then 49.0 #### 7", 1.0),                     # partial credit does not need the final answer; 49.0 == 49
+    ("5 x 9 = 45, so #### 3", 0.5),                       # the first of two intermediate results
+    ("it costs 49 #### 3", 0.0),                          # in order: the second without the first earns nothing
+    ("#### 3", 0.0),
+])
+def test_the_steps_reward_gives_the_share_of_intermediate_results_reached_in_order(completion, reward):
+    assert gsm8k_steps_reward([completion], ["3"], solution=[THREE_STEPS]) == [reward]
+
+
+def test_the_steps_reward_is_constant_on_one_step_problems():
+    """No intermediate result: 0 for every completion, so it changes no advantage within a group."""
+    assert gsm8k_steps_reward(["40 / 5 = 8 #### 8", "#### 9", ""], ["8"] * 3, solution=["Each gets 40 / 5 = 8 apples.\n#### 8"] * 3) == [0.0] * 3
+
+
+def test_the_steps_reward_reads_the_worked_solution_of_a_gsm8k_file(tmp_path):
+    """The gsm8k task keeps each row's worked answer as a `solution` column, which reward functions receive."""
+    from types import SimpleNamespace
+
+    rows = [{"question": "Sam buys 5 oranges at 9 dollars each and a bag for 4 dollars, paying with 52 dollars. Change?",
+             "answer": THREE_STEPS}] * 2
+    task = load_task("gsm8k", write(tmp_path, "g.jsonl", rows), num_test=1, rewards=[
+        "common.tasks:gsm8k_reward", "common.tasks:gsm8k_steps_reward"], reward_weights=[1.0, 0.5])
+    parts = {}
+    texts = ["5 x 9 = 45; 45 + 4 = 49; #### 3", "5 x 9 = 45 #### 2"]
+    rewards, _ = task.score(SimpleNamespace(texts=texts, rewards=None), ["3"] * 2, task.train.select([0]), parts)
+    assert task.train[0]["answer"] == "3" and parts["gsm8k_steps_reward"] == [1.0, 0.5]
+    assert rewards == pytest.approx([1.5, 0.25])
 
 
 def test_exact_match_and_digit_match_rewards():

@@ -117,7 +117,7 @@ def main(args: Args) -> None:
              + (f" --output-dir {args.output_dir} --name {args.name}" if args.name != "real_model_staleness" else "") + "`",
              "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
-             "collapsed | wall time (s) |", "|---" * 12 + "|"]
+             "clipped low, high (%) | format reward, cut (last 10 steps) | collapsed | wall time (s) |", "|---" * 14 + "|"]
     for (arm, seed), run in sorted(runs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
         rows, e = run["rows"], evals(run["rows"])
         reach = first_step_reaching(rows, "eval/pass@1", args.target)
@@ -126,10 +126,13 @@ def main(args: Args) -> None:
               if arm != "K0" else "0 (mu = pi_old)")
         ess = (f"{over_steps(rows, 'offpolicy/ess'):.3f}, {over_steps(rows, 'offpolicy/ess', min):.3f}" if arm != "K0" else "1")
         per_step = compute_seconds(rows) / len(trained)
+        late = trained[-10:]  # the mechanism: which tokens the clip cut, and whether the format was learned
+        clipped = f"{100 * over_steps(rows, 'policy/clip_frac_low'):.2f}, {100 * over_steps(rows, 'policy/clip_frac_high'):.2f}"
+        shaped = (f"{over_steps(late, 'reward/gsm8k_format_reward'):.2f}, {over_steps(late, 'completions/clipped_frac'):.2f}")
         cells = [arm, str(seed), pass1(e, "eval/"), pass1(e, "eval/transfer/"),
                  f"{e[0]['eval/greedy']:.2f} -> {e[-1]['eval/greedy']:.2f}",
                  "never" if reach is None else str(reach), "never" if reach is None else f"{compute_seconds(rows, reach):.0f}",
-                 f"{per_step:.1f}", kl, ess, "yes" if collapsed(rows) else "no",
+                 f"{per_step:.1f}", kl, ess, clipped, shaped, "yes" if collapsed(rows) else "no",
                  f"{run['wall_s']:.0f}" + (f" (all {run['ran']} steps)" if run["ran"] > args.steps else "")]
         lines.append("| " + " | ".join(cells) + " |")
     finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}

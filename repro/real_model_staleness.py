@@ -59,6 +59,19 @@ class Args:
     unless their logged numbers are identical"""
 
 
+WARNING = [("offpolicy/behaviour_kl", "behaviour KL"), ("offpolicy/ess", "ESS"), ("policy/clip_frac", "clipped"),
+           ("policy/entropy", "entropy"), ("policy/grad_norm", "grad norm")]
+
+
+def diagnostic(rows: list[dict], key: str) -> float:
+    """Mean over rows of a diagnostic; K = 0 logs no behaviour metrics (mu = pi_old: KL 0, ESS 1)."""
+    if key == "policy/clip_frac":
+        return over_steps(rows, "policy/clip_frac_low") + over_steps(rows, "policy/clip_frac_high")
+    if not any(key in r for r in rows):
+        return {"offpolicy/behaviour_kl": 0.0, "offpolicy/ess": 1.0}[key]
+    return over_steps(rows, key)
+
+
 def compute_seconds(rows: list[dict], up_to: int | None = None) -> float:
     """Sampling (or waiting for the generator) + training, summed over steps <= up_to (all if None): evaluation
     left out."""
@@ -135,6 +148,14 @@ def main(args: Args) -> None:
                  f"{per_step:.1f}", kl, ess, clipped, shaped, "yes" if collapsed(rows) else "no",
                  f"{run['wall_s']:.0f}" + (f" (all {run['ran']} steps)" if run["ran"] > args.steps else "")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "The embedded study's early-warning diagnostics (repro/README.md, \"Early warning\"): mean over steps 2-10 "
+              "-> over the last 10 steps (entropy and grad norm are the learner's; clipped = low + high)", "",
+              "| arm | seed | " + " | ".join(name for _, name in WARNING) + " |", "|---" * (2 + len(WARNING)) + "|"]
+    for (arm, seed), run in sorted(runs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
+        trained = [r for r in run["rows"] if "time/train_s" in r]
+        early, late = [r for r in trained if 2 <= r["step"] <= 10], trained[-10:]
+        lines.append(f"| {arm} | {seed} | " + " | ".join(
+            f"{diagnostic(early, key):.3g} -> {diagnostic(late, key):.3g}" for key, _ in WARNING) + " |")
     finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}
     lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
         f"{arm} {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])}" for arm, rows in finals.items() if rows)]

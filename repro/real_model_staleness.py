@@ -13,6 +13,7 @@ Arms (ARMS below):
   (the behaviour policy mu is taken as pi_old, "bypass").
 - K4_tis: K = 4 with truncated importance sampling, the correction that reached the embedded job's target in
   the fewest steps at K = 4 (137 steps, 3 of 3 seeds; decoupled: 160; none: 1 of 3; repro/README.md).
+- K1_tis: the threaded arm's staleness and correction, emulated (the thread's effect apart from K's).
 - threaded: async_grpo.py as a user starts it (a generation thread, K = 1, tis) for the wall time to the same
   held-out accuracy as grpo.py. Compute time = learner wait + train per step (grpo.py: sampling + train), so
   the evaluations are left out of both; during an evaluation the generator may sample at most one batch ahead.
@@ -34,6 +35,7 @@ from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_ste
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
+    "K1_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "1", "--correction", "tis"]),  # threaded's K
     "K2_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "2", "--correction", "none"]),
     "K4_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none"]),
     "K4_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis"]),

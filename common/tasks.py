@@ -233,9 +233,14 @@ def extract_number(text: str) -> Decimal | None:
     if not matches:
         return None
     try:
-        return Decimal(matches[-1].group().replace(",", "").lstrip("+"))
+        return as_decimal(matches[-1].group())
     except InvalidOperation:
         return None
+
+
+def as_decimal(number: str) -> Decimal:
+    """A number as _NUMBER matches it ('1,250', '+3', '.5') as a Decimal: 3.50 == 3.5."""
+    return Decimal(number.replace(",", "").lstrip("+"))
 
 
 def gsm8k_formatted(completions: list[str]) -> list[bool]:
@@ -257,7 +262,7 @@ def intermediate_results(answer: str) -> list[Decimal]:
     (the word problems' '5 x 9 = 45', GSM8K's '<<5*9=45>>45'), in order, repeats and the final answer dropped."""
     results: list[Decimal] = []
     for match in _RESULT.finditer(answer.rsplit("####", 1)[0]):
-        value = Decimal(match.group(1).replace(",", "").lstrip("+"))
+        value = as_decimal(match.group(1))
         if value not in results:
             results.append(value)
     final = extract_number(answer)
@@ -272,7 +277,7 @@ def gsm8k_steps_reward(completions: list[str], answers: list[str], solution: lis
     (repro/README.md, "Why accuracy does not transfer")."""
     rewards = []
     for c, a in zip(completions, solution):
-        results, written = intermediate_results(a), {Decimal(n.replace(",", "").lstrip("+")) for n in _NUMBER.findall(c)}
+        results, written = intermediate_results(a), {as_decimal(n) for n in _NUMBER.findall(c)}
         reached = next((k for k, v in enumerate(results) if v not in written), len(results))
         rewards.append(reached / len(results) if results else 0.0)
     return rewards

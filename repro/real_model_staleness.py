@@ -122,7 +122,7 @@ def main(args: Args) -> None:
     jobs = {(arm, seed): job(arm, seed) for arm, seed in plan}
     done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir),
             **run_jobs([j for (arm, _), j in jobs.items() if arm != "K0"], args.output_dir)}
-    runs = {key: done[j.name] for key, j in jobs.items()}
+    runs = {key: done[j.name] for key, j in sorted(jobs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1]))}
     for run in runs.values():  # a longer run (the recipe's K = 0) is read up to --steps: lr is constant, so its
         run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
@@ -133,7 +133,7 @@ def main(args: Args) -> None:
              "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
              "clipped low, high (%) | format reward, cut (last 10 steps) | collapsed | wall time (s) |", "|---" * 14 + "|"]
-    for (arm, seed), run in sorted(runs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
+    for (arm, seed), run in runs.items():  # in ARMS order
         rows, e = run["rows"], evals(run["rows"])
         reach = first_step_reaching(rows, "eval/pass@1", args.target)
         trained = [r for r in rows if "time/train_s" in r]
@@ -153,7 +153,7 @@ def main(args: Args) -> None:
     lines += ["", "The embedded study's early-warning diagnostics (repro/README.md, \"Early warning\"): mean over steps 2-10 "
               "-> over the last 10 steps (entropy and grad norm are the learner's; clipped = low + high)", "",
               "| arm | seed | " + " | ".join(name for _, name in WARNING) + " |", "|---" * (2 + len(WARNING)) + "|"]
-    for (arm, seed), run in sorted(runs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1])):
+    for (arm, seed), run in runs.items():
         trained = [r for r in run["rows"] if "time/train_s" in r]
         early, late = [r for r in trained if 2 <= r["step"] <= 10], trained[-10:]
         lines.append(f"| {arm} | {seed} | " + " | ".join(

@@ -32,11 +32,11 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, di
     def one(job: Job) -> tuple[str, dict]:
         run_dir = ROOT / output_dir / job.name
         done = run_dir / "done.json"
-        before = json.loads(done.read_text()) if done.exists() else None
-        resume = []
-        if before is not None and shorter(run_dir, job):  # a finished shorter run is extended from its last checkpoint
-            resume, before["extended_from"] = ["--resume", str(run_dir)], read_metrics(run_dir)[-1]["step"]
-        if before is None or resume:
+        before = json.loads(done.read_text()) if done.exists() else {}
+        if not before or shorter(run_dir, job):  # not run yet, or a finished shorter run: extended from its last checkpoint
+            resume = ["--resume", str(run_dir)] if before else []
+            if before:
+                before["extended_from"] = read_metrics(run_dir)[-1]["step"]
             t0 = time.time()
             proc = subprocess.Popen([sys.executable, job.script, *job.flags, *resume, "--output-dir", output_dir,
                                      "--run-name", job.name], cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -44,10 +44,9 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, di
             _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
             if status != 0:
                 raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {status}")
-            wall, peak = time.time() - t0, usage.ru_maxrss / 1024
-            if before:  # wall time of all the pieces
-                wall, peak = wall + before["wall_s"], max(peak, before["peak_rss_mb"])
-            done.write_text(json.dumps({**(before or {}), "wall_s": wall, "peak_rss_mb": peak}) + "\n")
+            wall = time.time() - t0 + before.get("wall_s", 0.0)  # all the pieces
+            peak = max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))
+            done.write_text(json.dumps({**before, "wall_s": wall, "peak_rss_mb": peak}) + "\n")
             print(f"  {job.name}: {wall:.0f}s", flush=True)
         return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}
 

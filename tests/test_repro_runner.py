@@ -4,13 +4,12 @@ checkpoint, logging what an uninterrupted run of the longer length logs."""
 import json
 import sys
 
-from conftest import ROOT, without_timing
+from conftest import ROOT, SMALL, without_timing
 
 sys.path.insert(0, str(ROOT / "repro"))
 from runner import Job, run_jobs  # noqa: E402
 
-FLAGS = ["--prompts-per-step", "8", "--num-generations", "4", "--eval-prompts", "16", "--eval-samples", "4",
-         "--eval-k", "2", "--eval-every", "2", "--device", "cpu"]
+FLAGS = [x for key, value in SMALL.items() for x in (f"--{key.replace('_', '-')}", str(value))]  # the tests' small run
 
 
 def test_a_longer_job_extends_a_finished_shorter_run(tmp_path):

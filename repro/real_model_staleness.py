@@ -177,7 +177,7 @@ def main(args: Args) -> None:
             axes[2].plot([r["step"] for r in trained], [r["reward/mean"] for r in trained], color=f"C{i}", alpha=0.8, label=label)
     axes[0].axhline(args.target, color="grey", lw=0.5)
     axes[0].set(xlabel="step", ylabel="held-out pass@1 (± se)")
-    axes[1].set(xlabel="step", ylabel="behaviour KL (k3, mu vs pi_old)", yscale="symlog")
+    axes[1].set(xlabel="step", ylabel="behaviour KL (k3, mu vs pi_old)")
     axes[2].set(xlabel="step", ylabel="training reward (mean)")
     for ax in axes:
         ax.legend(fontsize=7)

@@ -59,6 +59,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import ConfigError, check, run
+from common.engine import check_engine, mismatch, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar, read_metrics
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
@@ -144,6 +145,9 @@ class Args:
     """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
     top_k: int = 0
     """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """sampler of the generator: postrl's own, or vLLM in this process (common/engine.py; pip install -e '.[vllm]'): its
+    log-probs are mu even at staleness 0, and offpolicy/engine_kl measures them against the trainer's at the same weights"""
     # ---------------------------------------------------------------- asynchrony
     mode: Literal["threaded", "emulated"] = "threaded"
     """threaded: a generation thread overlaps with training; emulated: no thread, batch t from exactly version t-1-K"""
@@ -287,10 +291,13 @@ class Batch:
     wait_s: float = 0.0  # time the generator waited (pacing or a full queue) before it could hand it over
     successes: torch.Tensor | None = None  # (P * G,) 1.0 where the completion or trajectory achieved the task
     parts: dict | None = None  # --reward functions' mean values, logged as reward/<name>
+    mismatch: dict | None = None  # --engine vllm: the engine's log-probs against the trainer's, same weights
 
 
-def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device, learner_device) -> Batch:
-    """Batch s: the prompts grpo.py draws at step s, G completions each, keys (seed, s, prompt, g)."""
+def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_ids, device, learner_device,
+             engine=None) -> Batch:
+    """Batch s: the prompts grpo.py draws at step s, G completions each, keys (seed, s, prompt, g). With an engine
+    (--engine vllm), sampled by it, holding the weights of model."""
     t0 = time.perf_counter()
     chosen = np.random.default_rng([args.seed, index]).choice(len(task.train), args.prompts_per_step, replace=False)
     rows = task.train.select(chosen.tolist())
@@ -298,13 +305,17 @@ def generate(model, tokenizer, task, args: Args, index: int, version: int, eos_i
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     answers = [a for a in rows["answer"] for _ in range(G)]
     keys = [(args.seed, index, i, g) for i in range(args.prompts_per_step) for g in range(G)]
+    if engine is not None:  # --engine vllm: pushed when the version changes (a batch is sampled by one set of weights)
+        engine.sync(model, version)
     out = rollout(model, tokenizer, prompts, keys, args.max_new_tokens, args.temperature, eos_ids, device,
-                  task.envs(answers), args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
+                  task.envs(answers), args.generation_batch_size, args.top_k, args.top_p, engine)  # envs: multi-turn only
+    engine_mismatch = mismatch(model, out, args.temperature, args.top_k, args.top_p) if engine is not None else None
     parts = {}
     rewards, successes = (torch.tensor(x, device=learner_device).float() for x in task.score(out, answers, rows, parts))
     parts = {f"reward/{k}": sum(v) / len(v) for k, v in parts.items()}
     out = rollout_to(out, learner_device)  # sampled on the generator's device, trained on the learner's
-    return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes, parts=parts)
+    return Batch(index, version, out, rewards, time.perf_counter() - t0, successes=successes, parts=parts,
+                 mismatch=engine_mismatch)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -601,6 +612,7 @@ def main(args: Args) -> None:
                      args.answer_column, args.reward, args.reward_weights, args.eval_fraction, args.extra_eval_data_path)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    check_engine(args, task)
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
@@ -625,12 +637,13 @@ def main(args: Args) -> None:
 
     # ---- the generator: its own copy of the weights, version = learner steps behind them
     generator_device = torch.device(args.generator_device) if args.generator_device else device
-
-    def make_batch(model, index, version):
-        return generate(model, tokenizer, task, args, index, version, eos_ids, generator_device, device)
-
     sampler = generator_copy(policy, generator_device)
     version = max(start - 1, 0)
+    engine = start_engine(args, model_path, policy, accelerator)  # --engine vllm: samples with the generator's weights
+
+    def make_batch(model, index, version):
+        return generate(model, tokenizer, task, args, index, version, eos_ids, generator_device, device, engine)
+
     if args.mode == "emulated":
         lagged = saved["extra"].get("lagged") or {version: snapshot(policy)}
         generator = EmulatedGenerator(sampler, lagged, args, make_batch)
@@ -669,7 +682,8 @@ def main(args: Args) -> None:
             advantages = group_advantages(rewards, G, args.scale_rewards)
             # ---- 5. optimise, 6. publish the new weights (version step) to the generator
             t0 = time.perf_counter()
-            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, staleness > 0, args, step)
+            off_policy = staleness > 0 or engine is not None  # with an engine, mu is its log-probs even at staleness 0
+            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, off_policy, args, step)
             train_s = time.perf_counter() - t0
             if step % args.sync_every == 0:  # emulated mode: every step (its --sync-every is 1)
                 generator.publish(snapshot(policy), step)
@@ -680,6 +694,7 @@ def main(args: Args) -> None:
             metrics.update({
                 "reward/mean": rewards.mean().item(),
                 **(batch.parts or {}),
+                **(batch.mismatch or {}),
                 "reward/std": rewards.std().item(),
                 "reward/group_std_mean": rewards.view(-1, G).std(dim=1).mean().item(),  # within-prompt spread
                 "accuracy/train": batch.successes.mean().item(),

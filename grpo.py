@@ -43,6 +43,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
+from common.engine import check_engine, mismatch_metrics, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
@@ -131,6 +132,12 @@ class Args:
     """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
     top_k: int = 0
     """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """sampler of the training rollouts: postrl's own, or vLLM in this process (common/engine.py; pip install -e '.[vllm]')"""
+    tis_cap: float | None = None
+    """correct the sampler/trainer mismatch (mu != pi_old: --engine vllm's kernels) by truncated importance sampling:
+    each token's surrogate times min(pi_old / mu, C) (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"); None: no correction"""
     # ---------------------------------------------------------------- algorithm
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
@@ -207,6 +214,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.lora_r >= 0 and args.lora_alpha > 0 and 0 <= args.lora_dropout < 1,
           "--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1)")
     check(args.generation_batch_size is None or args.generation_batch_size >= 1, "--generation-batch-size must be >= 1")
+    check(args.tis_cap is None or args.tis_cap >= 1, f"--tis-cap must be >= 1 (got {args.tis_cap})")
     check(args.data_path is None or os.path.isfile(args.data_path), f"--data-path {args.data_path}: no such file")
     check(args.eval_data_path is None or os.path.isfile(args.eval_data_path), f"--eval-data-path {args.eval_data_path}: no such file")
     for path in args.extra_eval_data_path:
@@ -221,12 +229,16 @@ def check_resume(args: Args, run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------- the GRPO objective
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens, turn_ids=None, max_turns=1):
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens, turn_ids=None, max_turns=1,
+              behav_logps=None):
     """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts; with
-    turn_ids (multi-turn), the clip and ratio statistics per model turn too."""
+    turn_ids (multi-turn), the clip and ratio statistics per model turn too. With --tis-cap, behav_logps are the
+    sampler's log-probs mu."""
     ratio = torch.exp(logps - old_logps)  # r_it; == 1 on the first pass over a batch
     A = advantages[:, None]
     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
+    if args.tis_cap is not None:  # min(pi_old / mu, C): the sampler's tokens re-weighted towards the trainer's pi_old
+        surrogate = torch.clamp(torch.exp(old_logps - behav_logps), max=args.tis_cap) * surrogate
     per_token = -surrogate
     if ref_logps is not None:
         per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
@@ -247,7 +259,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     return loss, stats
 
 
-def sample_groups(policy, tokenizer, task, accelerator, args: Args, step: int, eos_ids):
+def sample_groups(policy, tokenizer, task, accelerator, args: Args, step: int, eos_ids, engine=None):
     """Steps 1-3 for this process's P prompts: draw prompts, roll out G completions each, score them. Step t's
     draws depend only on (seed, t), so resume and sharding see the same prompts and noise.
 
@@ -275,7 +287,7 @@ def sample_groups(policy, tokenizer, task, accelerator, args: Args, step: int, e
             keys = [(args.seed, step, rounds * total + i, g) for i in local for g in range(G)]
             batch = rollout(accelerator.unwrap_model(policy), tokenizer, [p for p in rows["prompt"] for _ in range(G)], keys,
                             args.max_new_tokens, args.temperature, eos_ids, accelerator.device, task.envs(answers),
-                            args.generation_batch_size, args.top_k, args.top_p)  # envs: multi-turn tasks only
+                            args.generation_batch_size, args.top_k, args.top_p, engine)  # envs: multi-turn tasks only
             parts = {}  # --reward functions' own values, logged as reward/<name>
             rewards, successes = task.score(batch, answers, rows, parts)
         rounds += 1
@@ -320,7 +332,7 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args,
                 if ref is not None:
                     kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mb.completion_mask).sum()
             loss, step_stats = grpo_loss(logps, old_logps[j], ref_logps[j], advantages[mb.rows], mb.completion_mask, args,
-                                         num_seqs, num_tokens, mb.turn_ids, batch.max_turns)
+                                         num_seqs, num_tokens, mb.turn_ids, batch.max_turns, mb.logprobs)
             # DDP averages gradients over processes; the loss is already this process's share of the global sum
             with nullcontext() if j == len(micro) - 1 else accelerator.no_sync(policy):
                 accelerator.backward(loss * accelerator.num_processes)
@@ -346,6 +358,10 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args,
         "policy/approx_kl": total(s["approx_kl"] for s in stats) / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
     }
+    if args.engine == "vllm":  # the sampler's log-probs against the trainer's, same weights (this process's tokens)
+        m = [mb.completion_mask.bool() for mb in micro]
+        metrics.update(mismatch_metrics(torch.cat([old_logps[j][m[j]] for j in range(len(micro))]),
+                                        torch.cat([mb.logprobs[m[j]] for j, mb in enumerate(micro)])))
     if ref is not None:
         metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
     if batch.turn_ids is not None:  # multi-turn: clipping by position in the trajectory
@@ -365,6 +381,7 @@ def main(args: Args) -> None:
     check(not args.dynamic_sampling or args.prompts_per_step < len(task.train),
           f"--dynamic-sampling needs more training prompts than --prompts-per-step ({args.prompts_per_step}): with "
           f"{len(task.train)} no fresh prompt is left to replace a group it drops")
+    check_engine(args, task)
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
@@ -383,6 +400,7 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(trainable(policy), lr=args.lr, weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     start = load_state(checkpoint, optimizer)["step"] + 1 if checkpoint else 0
+    engine = start_engine(args, model_path, policy, accelerator)  # --engine vllm: holds the policy's weights
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     P = args.prompts_per_step // world  # prompts of this process
     G = args.num_generations
@@ -405,7 +423,7 @@ def main(args: Args) -> None:
             continue
         # ---- 1-3. sample prompts, roll out G completions each (noise keys (seed, step, prompt, g)), score
         t0 = time.perf_counter()
-        batch, *scored, parts, rounds, dropped = sample_groups(policy, tokenizer, task, accelerator, args, step, eos_ids)
+        batch, *scored, parts, rounds, dropped = sample_groups(policy, tokenizer, task, accelerator, args, step, eos_ids, engine)
         rewards, successes = (accelerator.gather(torch.tensor(x, device=device).float()) for x in scored)
         parts = {f"reward/{k}": accelerator.gather(torch.tensor(v, device=device)).mean().item() for k, v in parts.items()}
         # ---- 4. group-relative advantages over the global batch
@@ -414,6 +432,8 @@ def main(args: Args) -> None:
         # ---- 5. optimise
         t0 = time.perf_counter()
         metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args, step)
+        if engine is not None:  # the next batch is sampled by the weights it trains
+            metrics["time/engine_push_s"] = engine.push(accelerator.unwrap_model(policy))
         train_s = time.perf_counter() - t0
         # ---- 6. log
         lengths = accelerator.gather(batch.completion_mask.sum(-1).float())

@@ -55,6 +55,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
+from common.engine import check_engine, mismatch_metrics, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
@@ -139,6 +140,8 @@ class Args:
     """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
     top_k: int = 0
     """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """sampler of the rollouts: postrl's own, or vLLM in this process (common/engine.py; pip install -e '.[vllm]')"""
     # ---------------------------------------------------------------- algorithm
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
@@ -352,6 +355,10 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, args: Args,
         "policy/approx_kl": total(s["approx_kl"] for s in stats) / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
     }
+    if args.engine == "vllm":  # the sampler's log-probs against the trainer's, same weights (this process's tokens)
+        m = [mb.completion_mask.bool() for mb in micro]
+        metrics.update(mismatch_metrics(torch.cat([old_logps[j][m[j]] for j in range(len(micro))]),
+                                        torch.cat([mb.logprobs[m[j]] for j, mb in enumerate(micro)])))
     if ref is not None:
         metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
     if batch.turn_ids is not None:  # multi-turn: clipping by position in the trajectory
@@ -368,6 +375,7 @@ def main(args: Args) -> None:
                      args.answer_column, args.reward, args.reward_weights, args.eval_fraction, args.extra_eval_data_path)
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    check_engine(args, task)
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
@@ -388,6 +396,7 @@ def main(args: Args) -> None:
     state = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
     start = state["step"] + 1
     sigma_hat = state["extra"]["sigma_hat"].numpy() if checkpoint else np.full(len(task.train), np.nan)  # NaN: never drawn
+    engine = start_engine(args, model_path, policy, accelerator)  # --engine vllm: holds the policy's weights
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     P = args.prompts_per_step // world  # prompts of this process
     G = args.num_generations
@@ -421,7 +430,7 @@ def main(args: Args) -> None:
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(policy), tokenizer, prompts, keys, args.max_new_tokens,
                         args.temperature, eos_ids, device, task.envs(answers), args.generation_batch_size, args.top_k,
-                        args.top_p)  # envs: multi-turn tasks only
+                        args.top_p, engine)  # envs: multi-turn tasks only
         # ---- 3. score, 4. group-relative advantages over the global batch
         parts = {}  # --reward functions' own values, logged as reward/<name>
         scored = task.score(batch, answers, rows, parts)  # (rewards, successes)
@@ -434,6 +443,8 @@ def main(args: Args) -> None:
         # ---- 5. optimise
         t0 = time.perf_counter()
         metrics = optimise(policy, ref, optimizer, accelerator, batch, advantages, args, step)
+        if engine is not None:  # the next batch is sampled by the weights it trains
+            metrics["time/engine_push_s"] = engine.push(accelerator.unwrap_model(policy))
         train_s = time.perf_counter() - t0
         # ---- 6. log
         lengths = accelerator.gather(batch.completion_mask.sum(-1).float())

@@ -47,6 +47,7 @@ from torch import nn
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
+from common.engine import check_engine, mismatch_metrics, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import kl_estimate, masked_whiten
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
@@ -132,6 +133,8 @@ class Args:
     """sample from the smallest set of most likely tokens whose probability reaches top_p (1: all); scored the same way"""
     top_k: int = 0
     """sample from the top_k most likely tokens only (0: all); scored the same way, so the first-pass ratio stays 1"""
+    engine: Literal["hf", "vllm"] = "hf"
+    """sampler of the rollouts: postrl's own, or vLLM in this process (common/engine.py; pip install -e '.[vllm]')"""
     # ---------------------------------------------------------------- algorithm
     lr: float = 1e-4
     """AdamW learning rate for the policy and the critic"""
@@ -391,6 +394,7 @@ def main(args: Args) -> None:
                             "would have to skip the environment's tokens); use grpo.py, gapo.py, is_grpo.py or async_grpo.py")
     check(args.prompts_per_step <= len(task.train),
           f"--prompts-per-step ({args.prompts_per_step}) is more than the {len(task.train)} training prompts")
+    check_engine(args, task)
     model_path = resolve_model(args.model, args.task, args.trust_remote_code)
     args.max_new_tokens = args.max_new_tokens or task.max_new_tokens
     checkpoint = find_checkpoint(args.resume, accelerator) if args.resume else None
@@ -416,6 +420,7 @@ def main(args: Args) -> None:
         if critic is not None:
             critic.load_state_dict(state["extra"]["critic"])
     start, kl_coef = state["step"] + 1, state["extra"].get("kl_coef", args.kl_coef)
+    engine = start_engine(args, model_path, accelerator.unwrap_model(model).policy, accelerator)  # --engine vllm
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     P = args.prompts_per_step // world  # prompts of this process
     G = args.num_generations
@@ -456,7 +461,7 @@ def main(args: Args) -> None:
         # ---- 2. roll out, each completion with its own noise key (seed, step, prompt, g)
         keys = [(args.seed, step, i, g) for i in local for g in range(G)]
         batch = rollout(accelerator.unwrap_model(model).policy, tokenizer, prompts, keys, args.max_new_tokens,
-                        args.temperature, eos_ids, device, None, args.generation_batch_size, args.top_k, args.top_p)
+                        args.temperature, eos_ids, device, None, args.generation_batch_size, args.top_k, args.top_p, engine)
         mask = batch.completion_mask.float()
         # ---- 3. score; a completion that never ends gets the penalty score
         parts = {}  # --reward functions' own values, logged as reward/<name>
@@ -479,6 +484,9 @@ def main(args: Args) -> None:
         # ---- 5. optimise
         t0 = time.perf_counter()
         metrics = optimise(model, optimizer, accelerator, batch, old_logps, old_values, advantages, returns, args, step)
+        if engine is not None:  # the sampler's log-probs against the trainer's; then the new weights go in
+            metrics.update(mismatch_metrics(old_logps[mask.bool()], batch.logprobs[mask.bool()]))
+            metrics["time/engine_push_s"] = engine.push(accelerator.unwrap_model(model).policy)
         train_s = time.perf_counter() - t0
         kl_coef_used = kl_coef
         # ---- 6. adapt beta toward the KL target (Ziegler et al.: proportional control, error clipped to +-0.2)

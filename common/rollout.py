@@ -19,11 +19,14 @@ from common.sampling import (Rollout, _accepts, completion_mask, distinct_prompt
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
             temperature: float, eos_ids: list[int], device, envs: list | None = None,
-            batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
+            batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0, engine=None) -> Rollout:
     """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
     batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
-    tokens are those of one pass, up to rounding (common/sampling.py's docstring)."""
+    tokens are those of one pass, up to rounding (common/sampling.py's docstring). With an engine (--engine vllm,
+    common/engine.py), sampled by it instead: it holds model's weights."""
+    if engine is not None:
+        return engine.rollout(tokenizer, prompts, keys, max_new_tokens, temperature, eos_ids, device, top_k, top_p)
     if batch_size is not None and len(prompts) > batch_size:
         return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
                                         max_new_tokens, temperature, eos_ids, device,

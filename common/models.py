@@ -181,7 +181,7 @@ def load_policy(model_path: str, checkpoint, args):
                        args.trust_remote_code, args.pure_dtype)
     disable_dropout(model)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if args.lora_r > 0:
         from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -195,6 +195,15 @@ def load_policy(model_path: str, checkpoint, args):
     # training mode (from_pretrained returns eval mode): transformers checkpoints activations only in training
     # mode, and --lora-dropout acts only there; sampling switches to eval mode and back (common/rollout.py)
     return model.train()
+
+
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing (non-reentrant, as torch recommends): activation_checkpointing_enable from transformers
+    5.25 on, gradient_checkpointing_enable before it (5.25 keeps it as an alias that warns)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def check_lora_targets(model, targets) -> None:

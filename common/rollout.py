@@ -203,8 +203,17 @@ def _caches_in_training(model) -> bool:
     that checkpoints its activations in training mode."""
     inner = getattr(model, "module", model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    checkpointing = getattr(inner, "is_gradient_checkpointing", False) and inner.training
+    checkpointing = checkpoints_activations(inner) and inner.training
     return not checkpointing and (_accepts(model, "past_key_values") or _accepts(model, "cache"))
+
+
+def checkpoints_activations(model) -> bool:
+    """Whether activation checkpointing is on: transformers >= 5.25 names it is_activation_checkpointing (the old name
+    warns that it goes in v6), the releases before is_gradient_checkpointing."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden: bool, logits: bool = True):

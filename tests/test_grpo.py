@@ -115,6 +115,15 @@ def test_command_line_error_is_one_line_and_exits_2():
         assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and message in lines[0], out.stderr
 
 
+@pytest.mark.parametrize("flags", [[], ["--gradient-checkpointing"]])
+def test_a_first_run_prints_no_warning(tmp_path, flags):
+    """What a new user reads first: no deprecation or future warning from the installed transformers (5.25 renamed
+    gradient checkpointing to activation checkpointing and warns on the old names)."""
+    out = run_script(sys.executable, "grpo.py", "--steps", "1", "--eval-prompts", "4", "--output-dir", str(tmp_path), *flags)
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr and "warn" not in out.stderr, out.stderr
+
+
 # ---------------------------------------------------------------- the script end to end
 def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint_and_prints_a_summary(tmp_path, capsys):
     grpo.main(small_args(tmp_path, steps=2, eval_k=1))

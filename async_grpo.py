@@ -65,7 +65,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, micro_batches, rollout, rollout_to, token_logprobs
+from common.rollout import evaluate, micro_batches, rollout, runs_prompts_once, rollout_to, token_logprobs
 from common.sampling import Rollout
 from common.tasks import load_task
 
@@ -536,7 +536,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     batch's second moment at the current weights before each pass's first gradient, so it gets them
     from an extra no-grad pass (on the first pass these are pi_old's)."""
     mask = batch.completion_mask
-    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens)
+    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens,
+                          runs_prompts_once(policy))  # the budget counts a prompt per group, or per row
     ref_logps = [None] * len(micro)
     if ref is not None:  # pi_ref first (its logits never beside the policy's graph), under pi_theta's truncation
         with torch.no_grad():

@@ -56,7 +56,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, micro_batches, rollout, token_logprobs
+from common.rollout import evaluate, micro_batches, rollout, runs_prompts_once, token_logprobs
 from common.tasks import load_task
 
 
@@ -282,10 +282,11 @@ def optimise(policy, ref, optimizer, accelerator, batch, advantages, eps_high, c
     pi_old is the policy that sampled the batch: its log-probs are those of the first pass."""
     num_seqs = batch.completion_mask.shape[0] * accelerator.num_processes  # counts of the global batch
     num_tokens = accelerator.reduce(batch.completion_mask.sum().float(), "sum")
-    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens)
+    micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens,
+                          runs_prompts_once(policy))  # the budget counts a prompt per group, or per row
     if args.microbatch_tokens and accelerator.num_processes > 1:  # as many forwards on every process (FSDP gathers in each)
         most = int(accelerator.gather(torch.tensor([len(micro)], device=accelerator.device)).max())
-        micro = micro_batches(batch, args.num_generations, most, args.microbatch_tokens)
+        micro = micro_batches(batch, args.num_generations, most, args.microbatch_tokens, runs_prompts_once(policy))
     ref_logps = [None] * len(micro)
     if ref is not None:  # pi_ref first (its logits never beside the policy's graph), under pi_theta's truncation
         with torch.no_grad():

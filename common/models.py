@@ -207,15 +207,20 @@ def enable_checkpointing(model) -> None:
 
 
 def check_lora_targets(model, targets) -> None:
-    """Every --lora-target-modules name is the last part of some linear layer's name (peft's rule for a list), or a
-    one-line error listing the names the model has."""
+    """Every --lora-target-modules name matches some layer LoRA can adapt, by peft's rule for a list of names: the
+    layer's name is the target or ends in '.' + target (q_proj, self_attn.q_proj), and the layer is a kind peft's LoRA
+    adapts (Linear, Embedding, a convolution, transformers' Conv1D as in GPT-2's c_attn). Else a one-line error listing
+    the names the model has."""
     if targets == "all-linear":
         return
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-    missing = [t for t in targets if t not in linear]
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    layers = [name for name, m in model.named_modules() if isinstance(m, kinds)]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in layers)]
     if missing:
-        raise ConfigError(f"--lora-target-modules: the model has no linear layer named {', '.join(missing)} "
-                          f"(its linear layers: {', '.join(linear)}, or all-linear)")
+        raise ConfigError(f"--lora-target-modules: the model has no layer LoRA can adapt named {', '.join(missing)} "
+                          f"(its layers: {', '.join(sorted({name.rsplit('.', 1)[-1] for name in layers}))}, or all-linear)")
 
 
 def disable_dropout(model) -> None:

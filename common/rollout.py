@@ -96,20 +96,22 @@ def trimmed(batch: Rollout, rows: torch.Tensor) -> MicroBatch:
                       batch.turn_ids[rows][:, :T] if batch.turn_ids is not None else None)
 
 
-def micro_batches(batch: Rollout, group_size: int, count: int = 1, max_tokens: int | None = None) -> list[MicroBatch]:
+def micro_batches(batch: Rollout, group_size: int, count: int = 1, max_tokens: int | None = None,
+                  shared_prompts: bool = True) -> list[MicroBatch]:
     """The rollout's rows in micro-batches of whole groups (a group's rows share their prompt's forward), each trimmed
     to its own longest prompt and completion. Groups are ordered by their longest completion, so that a micro-batch
     holds groups of like lengths. `count` micro-batches of about equal numbers of groups; or, with max_tokens, as many
-    as keep each one's tokens (its prompts once a group, its rows' completions, padding included) within max_tokens, at
-    least `count` (a group alone may exceed it). Gradient accumulation over them gives the one-batch update as long as
+    as keep each one's tokens (its prompts once a group, or once a row without shared_prompts, and its rows'
+    completions, padding included) within max_tokens, at least `count` (a group alone may exceed it). Gradient accumulation over them gives the one-batch update as long as
     the loss is normalised by the whole batch's counts (common/losses.py: aggregate)."""
     groups = batch.completion_ids.shape[0] // group_size
     longest = batch.attention_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
     prompt = batch.prompt_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
     order = sorted(range(groups), key=lambda g: -longest[g])
 
-    def tokens(pack: list[int]) -> int:  # what its forward computes: each prompt once, every row's completion, padded
-        return len(pack) * (max(prompt[g] for g in pack) + group_size * max(longest[g] for g in pack))
+    def tokens(pack: list[int]) -> int:  # what its forwards compute: each prompt once (or per row), every row's completion
+        prompts = len(pack) if shared_prompts else len(pack) * group_size
+        return prompts * max(prompt[g] for g in pack) + len(pack) * group_size * max(longest[g] for g in pack)
 
     if max_tokens is None:
         packs = [chunk.tolist() for chunk in torch.tensor(order).tensor_split(min(count, groups))]
@@ -171,7 +173,7 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     model that returns a KV cache in training mode, which transformers refuses under gradient checkpointing: there
     (and with share_prompts=False, or no shared prompt) every row runs its prompt, in one forward."""
     shared = None
-    if share_prompts and prompt_ids.shape[1] > 1 and _caches_in_training(model):
+    if share_prompts and prompt_ids.shape[1] > 1 and runs_prompts_once(model):
         shared = distinct_prompts(prompt_ids, prompt_mask)
     if shared is None:
         return _whole_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_hidden, logits)
@@ -198,9 +200,10 @@ def completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion
     return (out.logits if logits else None), (out.hidden_states[-1] if with_hidden else None)
 
 
-def _caches_in_training(model) -> bool:
-    """Whether a forward returns a KV cache in the mode the model is in: transformers drops the cache of a model
-    that checkpoints its activations in training mode."""
+def runs_prompts_once(model) -> bool:
+    """Whether the training forward runs a group's prompt once (completion_logits): a forward returns a KV cache in
+    the mode the model is in (transformers drops the cache of a model that checkpoints its activations in training
+    mode). micro_batches' token budget counts the prompts accordingly."""
     inner = getattr(model, "module", model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     checkpointing = checkpoints_activations(inner) and inner.training
@@ -259,8 +262,10 @@ def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy:
 def output_layer(model):
     """The model's output layer (hidden states -> logits) and the autocast dtype its forward runs under, when it can be
     applied apart from the model's forward: a transformers model, under DDP or peft (the output layer a plain Linear,
-    without adapters). None for anything else, and for a sharded (FSDP) model, whose weights exist whole only inside
-    its forward."""
+    without adapters), whose forward returns that layer's output as its logits, untouched, computed from its last
+    hidden states (head_is_last). None for anything else: a model that does more to its logits (Granite divides them,
+    Cohere multiplies them, Gemma-2 caps them with a tanh) is scored through its own forward; so is a sharded (FSDP)
+    model, whose weights exist whole only inside its forward."""
     inner = getattr(model, "module", model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
@@ -270,7 +275,33 @@ def output_layer(model):
         FSDPModule = ()
     if type(head) is not torch.nn.Linear or (FSDPModule and any(isinstance(m, FSDPModule) for m in inner.modules())):
         return None
+    if not head_is_last(inner, head):
+        return None
     return head, getattr(inner, "autocast_dtype", None)
+
+
+@torch.no_grad()
+def head_is_last(model, head) -> bool:
+    """Whether model's forward ends in head: its logits are the very tensor head returned, unchanged, and head's input
+    is the last of its hidden states. Checked once per model, by identity on one forward of four tokens, not by
+    comparing numbers: a model that scales, caps or otherwise recomputes its logits after the head returns another
+    tensor (or changes this one's values), so it fails whatever its weights and whatever the tolerance."""
+    if not hasattr(model, "_postrl_head_is_last"):
+        seen = {}
+
+        def record(module, args, output):
+            seen.update(input=args[0], output=output, values=output.clone())
+
+        hook = head.register_forward_hook(record)
+        try:
+            ids = torch.arange(4, device=head.weight.device)[None] % head.out_features
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        finally:
+            hook.remove()
+        hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) else None
+        model._postrl_head_is_last = (out.logits is seen.get("output") and torch.equal(out.logits, seen["values"])
+                                      and hidden is not None and torch.equal(hidden, seen["input"]))
+    return model._postrl_head_is_last
 
 
 CHUNK_BYTES = 2**25  # logits of at most 32 MB at a time: small enough for the allocator to reuse, never a page fault

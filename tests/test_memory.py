@@ -129,11 +129,34 @@ def test_lora_resume_ends_like_an_uninterrupted_run_and_export_merges(tmp_path):
     assert not state_dicts_equal(merged, load_model(EMBEDDED))
 
 
+def tiny_gpt2(tmp_path) -> str:
+    """A 2-layer GPT-2 (its attention and MLP are transformers' Conv1D layers, not Linear), saved as a model directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=61, n_positions=64)).save_pretrained(tmp_path / "gpt2")
+    return str(tmp_path / "gpt2")
+
+
+@pytest.mark.parametrize("model, targets", [("embedded", "self_attn.q_proj,v_proj"), ("gpt2", "c_attn"), ("gpt2", "attn.c_proj")])
+def test_lora_targets_are_the_modules_peft_adapts_dotted_suffixes_and_conv1d_included(tmp_path, model, targets):
+    """peft's rule for a list of names: a module whose name is the target or ends in '.' + target, of a kind LoRA adapts
+    (Linear, Embedding, convolutions, transformers' Conv1D): exactly the modules that get adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    path = EMBEDDED if model == "embedded" else tiny_gpt2(tmp_path)
+    policy = load_policy(path, None, grpo.Args(lora_r=4, lora_target_modules=targets))
+    adapted = {name for name, module in policy.named_modules() if hasattr(module, "lora_A")}
+    peft_own = get_peft_model(load_model(path), LoraConfig(r=4, target_modules=targets.split(","), task_type="CAUSAL_LM"))
+    assert adapted and adapted == {name for name, module in peft_own.named_modules() if hasattr(module, "lora_A")}
+
+
 def test_a_lora_target_the_model_lacks_is_one_line_naming_the_layers_it_has(tmp_path):
     from common.cli import ConfigError
 
-    with pytest.raises(ConfigError, match="^--lora-target-modules: the model has no linear layer named nosuch_proj \\(its linear "
-                                          "layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj, or all-linear\\)$"):
+    with pytest.raises(ConfigError, match="^--lora-target-modules: the model has no layer LoRA can adapt named nosuch_proj \\(its "
+                                          "layers: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, "
+                                          "v_proj, or all-linear\\)$"):
         grpo.main(small_args(grpo, tmp_path, steps=1, lora_target_modules="q_proj,nosuch_proj", **LORA))
 
 

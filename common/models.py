@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # no "Loading weights" bars between our own progress bar's lines
 
 from common.cli import ConfigError, NonFiniteError
+from common.rollout import check_forward
 from common.tasks import embedded_model_name
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -192,6 +193,7 @@ def load_policy(model_path: str, checkpoint, args):
             check_lora_targets(model, targets)
             model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
+    check_forward(model, str(model_path))  # a model whose log-probs postrl would get wrong stops here, in one line
     # training mode (from_pretrained returns eval mode): transformers checkpoints activations only in training
     # mode, and --lora-dropout acts only there; sampling switches to eval mode and back (common/rollout.py)
     return model.train()
@@ -224,13 +226,17 @@ def check_lora_targets(model, targets) -> None:
 
 
 def disable_dropout(model) -> None:
-    """The model's own dropout off, as TRL does for RL: sampling and the training forward then compute the same
-    distribution, so the first pass's ratio is exactly 1 (LoRA's --lora-dropout, added after, is the user's)."""
+    """The model's own dropout off, as TRL does for RL: its Dropout modules, and the rates its modules keep as plain
+    numbers (attention_dropout, attn_pdrop, BioGPT's dropout, LayerDrop's layerdrop, which skips whole layers, and
+    MoE routers' jitter noise, with which PhiMoE draws its experts in training mode), so
+    that the training forward computes the distribution the sampler drew from and the first pass's ratio is exactly 1
+    (LoRA's --lora-dropout, added after, is the user's). common.rollout.check_forward then finds any left."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):  # transformers' attention modules
-            module.attention_dropout = 0.0
+        for name, value in vars(module).items():
+            if type(value) is float and ("dropout" in name or "pdrop" in name or "jitter" in name or name == "layerdrop"):
+                setattr(module, name, 0.0)
 
 
 class AdapterDisabled:

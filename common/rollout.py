@@ -6,12 +6,13 @@ forward: a group's prompt once, the output layer a chunk at a time); pass@k and 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from common.cli import ConfigError
 from common.multiturn import multi_turn_rollout
 from common.sampling import (Rollout, _accepts, completion_mask, distinct_prompts, encode_prompts, full_parameters,
                              row_uniforms, sample, truncate)
@@ -348,6 +349,102 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
                                     top_p=top_p)
     _, hidden = completion_logits(*inputs, with_hidden=True, share_prompts=share_prompts, logits=False)
     return chunked_logprobs(*head, hidden, completion_ids, temperature, with_entropy, top_k, top_p)
+
+
+FORWARD_TOLERANCE = 1e-3  # float32: the paths agree to ~1e-6 on every family that works; a wrong one is off by > 1e-2
+
+
+@torch.no_grad()
+def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
+    """How far what postrl computes in place of the model's own forward lies from it, on a small random batch (two
+    prompts of 5 and 9 tokens, left-padded, two completions each of 3 to 8 tokens, right-padded): the largest
+    |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
+    shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
+    behaviour log-probs (prompts shared, the preallocated cache), each against log_softmax of the model's own forward
+    of each row alone, unpadded and uncached. In float32 where the weights are float32 (bf16 autocast set aside)."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    V = inner.get_input_embeddings().weight.shape[0] if hasattr(inner, "get_input_embeddings") else inner.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    device = next(inner.parameters()).device
+    lengths, G = [(5, [3, 8]), (9, [6, 4])], 2
+    P, T = 9, 8
+    prompt_ids, completion_ids = torch.zeros(4, P, dtype=torch.long), torch.zeros(4, T, dtype=torch.long)
+    prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
+    for i, (p, ts) in enumerate(lengths):
+        prompt = torch.randint(V, (p,), generator=g)
+        for j, t in enumerate(ts):
+            b = i * G + j
+            prompt_ids[b, P - p :], prompt_mask[b, P - p :] = prompt, 1
+            completion_ids[b, :t], mask[b, :t] = torch.randint(V, (t,), generator=g), 1
+    batch = [x.to(device) for x in (prompt_ids, prompt_mask, completion_ids, mask)]
+
+    def own(completions, completion_mask):  # row by row, no padding, no cache
+        out = torch.zeros(completions.shape, device=device)
+        for b in range(len(completions)):
+            x, y = batch[0][b][batch[1][b].bool()], completions[b][completion_mask[b].bool()]
+            logits = model(input_ids=torch.cat([x, y])[None], use_cache=False).logits[0, len(x) - 1 : -1].float()
+            out[b, : len(y)] = torch.log_softmax(logits, -1).gather(-1, y[:, None])[:, 0]
+        return out
+
+    was_training = model.training
+    with float32_forward(inner), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
+        train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
+        model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
+        sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, [-1], 0, torch.rand(4, T, generator=g).to(device))
+        sampled_mask = torch.ones_like(sampled)
+        reference, reference_sampled = own(batch[2], batch[3]), own(sampled, sampled_mask)
+        model.train(was_training)
+    m = batch[3].bool()
+    return {"train": (train[m].float() - reference[m]).abs().max().item(),
+            "sampler": (behaviour.float() - reference_sampled).abs().max().item()}
+
+
+@contextmanager
+def no_dropout_modules(model):
+    """Every torch.nn.Dropout of model at p = 0 for a while (disable_dropout has set the model's own to 0 already)."""
+    dropouts = [(m, m.p) for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m, _ in dropouts:
+        m.p = 0.0
+    try:
+        yield
+    finally:
+        for m, p in dropouts:
+            m.p = p
+
+
+@contextmanager
+def float32_forward(model):
+    """The model's forward without the bf16 autocast common/models.py patches onto it (its weights are float32)."""
+    patched = model.__dict__.get("forward") if all(p.dtype == torch.float32 for p in model.parameters()) else None
+    if patched is not None:
+        del model.forward
+    try:
+        yield
+    finally:
+        if patched is not None:
+            model.forward = patched
+
+
+def check_forward(model, name: str) -> None:
+    """Refuse, in one line, a model whose log-probs postrl would compute wrongly (forward_mismatch above the
+    tolerance), or that postrl's forward cannot run at all (an encoder-decoder, say): before any training step."""
+    inner = getattr(model, "module", model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config = getattr(inner, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"--model {name}: {type(inner).__name__} is an encoder-decoder model; postrl trains "
+                          f"decoder-only causal language models")
+    try:
+        mismatch = forward_mismatch(model)
+    except Exception as e:  # noqa: BLE001 -- any failure here is a model family postrl cannot serve
+        raise ConfigError(f"--model {name}: postrl cannot run this model ({type(model).__name__}): "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    tolerance = FORWARD_TOLERANCE if all(p.dtype == torch.float32 for p in model.parameters()) else 0.1
+    if max(mismatch.values()) > tolerance:
+        raise ConfigError(f"--model {name}: postrl's log-probs for this model ({type(model).__name__}) differ from its own "
+                          f"forward's by up to {mismatch['train']:.2g} (training forward) and {mismatch['sampler']:.2g} "
+                          f"(sampler): not supported")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -6,7 +6,6 @@ vLLM, --tis-cap's weight, the mismatch measures, LoRA merged for the engine."""
 
 import importlib
 import importlib.util
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from conftest import run_script, small_args
 
 import grpo
 from common.cli import ConfigError
-from common.engine import Engine, merged_weights, mismatch_metrics
+from common.engine import Engine, heads_to_widen, merged_weights, mismatch_metrics, start_engine, wide_heads_copy
 from common.logging import read_metrics
 from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
 from common.rollout import micro_batches, token_logprobs
@@ -110,46 +109,26 @@ def test_merged_lora_weights_are_named_as_the_base_model(smollm2):
     assert torch.equal(merged[k], model.state_dict()[k])  # bitwise by construction: a weight without an adapter is passed on untouched
 
 
-def head_dim_32_copy(src: Path, dst: Path) -> Path:
-    """The embedded model at src with its 4 heads of 16 dimensions written as 4 heads of 32, the same function
-    exactly: vLLM's CPU attention takes head sizes from 32 only. Dimension i of a head goes to 2i (i < 8) or to
-    16 + 2(i - 8), so RoPE rotates it at the same frequency (theta^(-2i/16) = theta^(-4i/32)) against the same
-    partner; q is scaled by sqrt(2) for the score's 1/sqrt(head_dim); the new dimensions are 0 in q, k, v and o,
-    and stay 0 under training (each one's gradient is a product with another of them)."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(src)
-    config, d = model.config, model.config.head_dim
-    config.head_dim = 2 * d
-    wide = LlamaForCausalLM(config)
-    place = torch.tensor([2 * i if i < d // 2 else d + 2 * (i - d // 2) for i in range(d)])  # rotary pairs kept
-    state = model.state_dict()
-    for name, w in wide.state_dict().items():
-        old = state[name]
-        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-            rows = place if not name.endswith("v_proj.weight") else torch.arange(d)
-            new = torch.zeros(w.shape[0] // (2 * d), 2 * d, old.shape[1])
-            new[:, rows] = old.view(-1, d, old.shape[1]) * (2 ** 0.5 if name.endswith("q_proj.weight") else 1.0)
-            w.copy_(new.view_as(w))
-        elif name.endswith("o_proj.weight"):
-            new = torch.zeros(old.shape[0], w.shape[1] // (2 * d), 2 * d)
-            new[:, :, :d] = old.view(old.shape[0], -1, d)
-            w.copy_(new.view_as(w))
-        else:
-            w.copy_(old)
-    wide.save_pretrained(dst)
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(src / f, dst / f)
-    return dst
-
-
-def test_the_head_dim_32_copy_computes_what_the_embedded_model_computes(tmp_path):
+def test_the_wide_heads_copy_computes_what_the_embedded_model_computes(tmp_path):
+    """vLLM's CPU attention takes heads of 32 dimensions and up; the embedded model's 16 are served written as 32
+    (common.engine.widened), the same function: equal up to other sums of the same products (and it fails without
+    q's sqrt(2), or with the rotary pairs placed otherwise)."""
     from transformers import AutoModelForCausalLM
 
     ids = torch.randint(3, 30, (4, 20))
     logits = [AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
-              for path in (EMBEDDED, head_dim_32_copy(EMBEDDED, tmp_path / "wide"))]
-    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)  # other sums of the same products
+              for path in (EMBEDDED, wide_heads_copy(EMBEDDED, tmp_path / "wide"))]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_whose_heads_vllms_cpu_attention_cannot_take_is_refused_in_one_line():
+    from transformers import GPT2Config, LlamaConfig
+
+    assert heads_to_widen(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16)) == 16  # the embedded models
+    assert heads_to_widen(LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64)) is None  # served as it is
+    with pytest.raises(ConfigError, match=r"^--engine vllm: vLLM's CPU attention takes heads of 32, .* dimensions; this "
+                                          r"gpt2 model's have 16 \(use --engine hf, or a GPU\)$"):
+        heads_to_widen(GPT2Config(n_embd=64, n_head=4))
 
 
 SMALL_RUN = ["--steps", "30", "--prompts-per-step", "32", "--num-generations", "8", "--eval-every", "0", "--eval-prompts", "64",
@@ -161,11 +140,10 @@ SMALL_RUN = ["--steps", "30", "--prompts-per-step", "32", "--num-generations", "
                                           ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "1"])],
                          ids=["grpo_tis", "async_grpo_k1"])
 def test_a_run_sampling_through_vllm_learns_the_embedded_job(tmp_path, script, extra):
-    """As test_learning.py asks of every script with postrl's sampler: 30 steps at least double held-out pass@1 and
-    pass 0.45 (evaluated by postrl's sampler), the mismatch logged at every step. The model: the embedded one
-    written with heads of 32 dimensions (head_dim_32_copy), for vLLM's CPU attention."""
-    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
-    out = run_script(sys.executable, script, *SMALL_RUN, *extra, "--model", str(model), "--output-dir", str(tmp_path),
+    """The default job through vLLM, as a user starts it (`python grpo.py --engine vllm`; on a CPU its heads are
+    served twice as wide, heads_to_widen): as test_learning.py asks of every script with postrl's sampler, 30 steps
+    at least double held-out pass@1 and pass 0.45 (evaluated by postrl's sampler), the mismatch logged every step."""
+    out = run_script(sys.executable, script, *SMALL_RUN, *extra, "--output-dir", str(tmp_path),
                      "--run-name", "run", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
@@ -218,9 +196,8 @@ def test_mismatch_measures_of_known_log_probs():
 def test_the_generation_thread_samples_through_vllm(tmp_path):
     """async_grpo.py as a user starts it (a thread, K = 1): the engine is driven from the generator's thread, takes
     the generator's weights when their version changes, and the mismatch is measured at the sampling version."""
-    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
     out = run_script(sys.executable, "async_grpo.py", "--steps", "4", "--eval-every", "0", "--eval-prompts", "8", "--engine",
-                     "vllm", "--model", str(model), "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
+                     "vllm", "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     trained = [r for r in read_metrics(tmp_path / "run") if "policy/grad_norm" in r]
     assert len(trained) == 4 and all(r["offpolicy/engine_log_ratio_max"] < 1e-2 for r in trained)
@@ -230,12 +207,31 @@ def test_the_generation_thread_samples_through_vllm(tmp_path):
 @needs_vllm
 @pytest.mark.parametrize("script", ["ppo.py", "gapo.py", "is_grpo.py"])
 def test_every_other_script_samples_through_vllm_and_logs_the_mismatch(tmp_path, script):
-    model = head_dim_32_copy(EMBEDDED, tmp_path / "model")
     out = run_script(sys.executable, script, "--steps", "2", "--eval-every", "0", "--eval-prompts", "8", "--engine", "vllm",
-                     "--model", str(model), "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
+                     "--output-dir", str(tmp_path), "--run-name", "run", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     trained = [r for r in read_metrics(tmp_path / "run") if "policy/grad_norm" in r]
     assert len(trained) == 2 and all(r["offpolicy/engine_log_ratio_max"] < 1e-2 and r["time/engine_push_s"] > 0 for r in trained)
+
+
+@needs_vllm
+def test_the_engine_starts_on_a_policy_wrapped_for_several_processes(tmp_path, monkeypatch):
+    """With 2 or more processes accelerate wraps the policy in DistributedDataParallel, which has no .config: the engine
+    reads the config of the model inside (a process group of one here; the wrapper is the same)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from common.models import load_policy
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        policy = torch.nn.parallel.DistributedDataParallel(load_policy(str(EMBEDDED), None, grpo.Args()))
+        engine = start_engine(grpo.Args(engine="vllm"), str(EMBEDDED), policy, Accelerator(cpu=True))
+        assert engine is not None and engine.widen_heads == 16
+    finally:
+        dist.destroy_process_group()
 
 
 @needs_vllm

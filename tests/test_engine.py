@@ -121,6 +121,25 @@ def test_the_wide_heads_copy_computes_what_the_embedded_model_computes(tmp_path)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
 
 
+def test_wide_heads_keep_grouped_query_attention_and_biases(tmp_path):
+    """4 query heads sharing 2 key/value heads, with q, k, v and o biases: the widened copy computes the same logits."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, attention_bias=True)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()  # biases start at 0: drawn, so that a bias left narrow or misplaced shows
+    model.save_pretrained(tmp_path / "narrow")
+    ids = torch.randint(3, 60, (2, 12))
+    logits = [AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits
+              for path in (tmp_path / "narrow", wide_heads_copy(tmp_path / "narrow", tmp_path / "wide"))]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+
+
 def test_a_model_whose_heads_vllms_cpu_attention_cannot_take_is_refused_in_one_line():
     from transformers import GPT2Config, LlamaConfig
 

@@ -167,6 +167,7 @@ def test_with_top_p_or_top_k_the_reference_is_scored_under_the_policys_truncatio
     exactly 0 under truncation too: both are the truncated distributions, each renormalised, the scored token kept.
     Scoring pi_ref on its full distribution instead gives log(kept mass) per token, > 0 at the first step."""
     extra = dict(prompts_per_step=16, num_generations=1, minibatches=2, ppo_epochs=1) if script is ppo else {}
+    extra = dict(beta=0.04) if script is gapo else extra  # (gapo.py's default is 0: no reference)
     script.main(small_args(script, tmp_path, task="add", steps=1, eval_every=0, **truncation, **LORA, **extra))
     assert read_metrics(tmp_path / "run")[1]["policy/kl_ref"] == 0.0
 

@@ -24,9 +24,18 @@ A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = 
     m2po       M * r A, no clip: M drops the tokens with the largest (log pi_theta / mu)^2 until the
                mean of the rest is <= --m2po-threshold, recomputed before every pass (M2PO, Zheng et al.
                2025, arXiv:2510.01161; on the first pass pi_theta = pi_old)
+    icepop     M(w) * min(u A, clip(u) A), M(w) = w on [a, b], 0 outside: a token whose weight left the band
+               drops (IcePop, the Ring-1T report, Ling team 2025; a, b = --icepop-low/-high, 0.5 and 5 as published)
+    seq-mask   min(u A, clip(u) A), unweighted, and a whole sequence dropped where its geometric-mean weight
+               exp(mean_t log w_t) leaves [1/C, C], C = --seq-mask-cap (verl's geometric rejection, 1.001;
+               TRL's sequence-level mask)
+    opsm       as none, and a whole sequence with A < 0 dropped where mean_t log(mu / pi_theta) > delta
+               (off-policy sequence masking, the DeepSeek-V3.2 report, 2025; delta = --opsm-delta)
+    cispo      sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi_theta: the weight capped, no token's
+               gradient dropped (CISPO, MiniMax-M1, arXiv:2506.13585; --cispo-eps-low/-high)
 
 minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg over all completion tokens: a token
-that m2po masks or the decoupled cap drops contributes 0 and still counts in the denominator (the
+that m2po masks, or decoupled, icepop, seq-mask or opsm drops, contributes 0 and still counts in the denominator (the
 paper's 1 / sum_i |o_i|; AReaL's cap does the same), so dropping tokens never up-weights the rest,
 and a batch with every token masked gives a zero surrogate, not 0 / 0. tis truncates the weight,
 decoupled drops the token: the two differ exactly where w > C. On a batch of staleness 0 mu is pi_old.
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import queue
 import sys
@@ -168,7 +178,7 @@ class Args:
     learner_threads: int | None = None
     """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm
-    correction: Literal["none", "tis", "decoupled", "m2po"] = "tis"
+    correction: Literal["none", "tis", "decoupled", "m2po", "icepop", "seq-mask", "opsm", "cispo"] = "tis"
     """off-policy correction for stale batches (see the docstring)"""
     tis_cap: float = 2.0
     """C of tis: the behaviour weight pi_old / mu is truncated at C"""
@@ -176,6 +186,20 @@ class Args:
     """decoupled: tokens whose behaviour weight pi_old / mu exceeds this get weight 0 (AReaL's cap; default: none dropped)"""
     m2po_threshold: float = 0.04
     """tau of m2po: tokens are masked until the mean (log pi_theta / mu)^2 of the rest is <= tau (before each pass)"""
+    icepop_low: float = 0.5
+    """a of icepop: tokens whose weight pi_old / mu is below a are dropped (IcePop's published band: [0.5, 5])"""
+    icepop_high: float = 5.0
+    """b of icepop: tokens whose weight pi_old / mu is above b are dropped"""
+    seq_mask_cap: float = 1.001
+    """C of seq-mask: a sequence whose geometric-mean weight leaves [1/C, C] is dropped (verl's geo-MIS default)"""
+    opsm_delta: float = 1e-4
+    """delta of opsm: a sequence with A < 0 and mean_t log(mu / pi_theta) > delta is dropped (the paper gives no value;
+    1e-4 as public implementations)"""
+    cispo_eps_low: float = 1.0
+    """eps_low_is of cispo: the weight is raised to at least 1 - eps_low_is (1: no lower bound, as the paper sets it)"""
+    cispo_eps_high: float = 0.28
+    """eps_high_is of cispo: the weight is capped at 1 + eps_high_is (the paper tunes it and gives no value; 0.28 as
+    public reproductions)"""
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
     num_iterations: int = 1
@@ -244,6 +268,12 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.tis_cap >= 1, f"--tis-cap must be >= 1 (got {args.tis_cap})")
     check(args.decoupled_cap is None or args.decoupled_cap >= 1, f"--decoupled-cap must be >= 1 (got {args.decoupled_cap})")
     check(args.m2po_threshold > 0, f"--m2po-threshold must be > 0 (got {args.m2po_threshold})")
+    check(0 <= args.icepop_low <= 1 <= args.icepop_high, f"--icepop-low and --icepop-high must satisfy 0 <= low <= 1 <= "
+                                                         f"high (got {args.icepop_low}, {args.icepop_high})")
+    check(args.seq_mask_cap > 1, f"--seq-mask-cap must be > 1 (got {args.seq_mask_cap})")
+    check(args.opsm_delta >= 0, f"--opsm-delta must be >= 0 (got {args.opsm_delta})")
+    check(0 <= args.cispo_eps_low <= 1 and args.cispo_eps_high > 0, f"--cispo-eps-low must be in [0, 1] and --cispo-eps-high"
+                                                                     f" > 0 (got {args.cispo_eps_low}, {args.cispo_eps_high})")
     check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
     check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
     check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
@@ -481,19 +511,35 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     the clip and ratio statistics per model turn too."""
     A = advantages[:, None]
     w = torch.exp(old_logps - behav_logps)  # behaviour weight pi_old / mu (no gradient: both are fixed)
-    if args.correction in ("none", "m2po"):
+    if args.correction in ("none", "m2po", "opsm", "cispo"):
         ratio = torch.exp(logps - behav_logps)  # r = pi_theta / mu
     else:
         ratio = torch.exp(logps - old_logps)  # u = pi_theta / pi_old; == 1 on the first pass
+    dropped, capped = torch.zeros_like(w, dtype=torch.bool), torch.zeros_like(w, dtype=torch.bool)
     if args.correction == "m2po":
         surrogate = keep * ratio * A  # M r A, no clip: the mask is the trust region
+        dropped = keep == 0
+    elif args.correction == "cispo":  # sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi_theta
+        weight = torch.clamp(ratio.detach(), 1 - args.cispo_eps_low, 1 + args.cispo_eps_high)
+        surrogate, capped = weight * A * logps, weight != ratio.detach()
     else:
         surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
     if args.correction == "tis":
-        surrogate = torch.clamp(w, max=args.tis_cap) * surrogate  # min(w, C): truncated
+        surrogate, capped = torch.clamp(w, max=args.tis_cap) * surrogate, w > args.tis_cap  # min(w, C): truncated
     elif args.correction == "decoupled":
-        dropped = w > args.decoupled_cap if args.decoupled_cap is not None else torch.zeros_like(w, dtype=torch.bool)
+        dropped = w > args.decoupled_cap if args.decoupled_cap is not None else dropped
         surrogate = torch.where(dropped, 0.0, w) * surrogate  # w, or 0 where w > cap: dropped, not truncated
+    elif args.correction == "icepop":  # M(w) = w inside [a, b], 0 outside
+        dropped = (w < args.icepop_low) | (w > args.icepop_high)
+        surrogate = torch.where(dropped, 0.0, w) * surrogate
+    elif args.correction in ("seq-mask", "opsm"):  # whole sequences: a row is whole in every micro-batch
+        tokens = mask.sum(-1).clamp(min=1)
+        if args.correction == "seq-mask":  # |mean_t log w_t| > log C: the geometric mean left [1/C, C]
+            drop_seq = (((old_logps - behav_logps) * mask).sum(-1) / tokens).abs() > math.log(args.seq_mask_cap)
+        else:  # A < 0 and mean_t log(mu / pi_theta) > delta
+            drop_seq = (advantages < 0) & (((behav_logps - logps.detach()) * mask).sum(-1) / tokens > args.opsm_delta)
+        dropped = drop_seq[:, None].expand_as(w)
+        surrogate = torch.where(dropped, 0.0, surrogate)
     per_token = -surrogate
     if ref_logps is not None:
         per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
@@ -502,13 +548,14 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
         m = mask.bool()
         clip = args.correction != "m2po"
         clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0) & clip, (ratio > 1 + args.eps_high) & (A > 0) & clip
-        masked = (keep == 0) if args.correction == "m2po" else dropped if args.correction == "decoupled" else None
         stats = {
             "ratio": ratio[m].sum(),
             "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (u - 1) - log u
             "clip_low": clip_low[m].sum(),
             "clip_high": clip_high[m].sum(),
-            "masked": masked[m].sum() if masked is not None else ratio.new_zeros(()),
+            "masked": dropped[m].sum(),  # tokens dropped (m2po's mask, decoupled's cap, icepop, seq-mask, opsm)
+            "masked_seqs": ((dropped | ~m).all(-1) & m.any(-1)).sum(),  # sequences dropped whole
+            "capped": capped[m].sum(),  # tokens whose weight was truncated (tis) or clipped (cispo)
             "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
             "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
         }
@@ -593,6 +640,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
         "offpolicy/mask_frac": sum(s["masked"] for s in stats).item() / token_passes,
+        "offpolicy/mask_seq_frac": sum(s["masked_seqs"] for s in stats).item() / (mask.shape[0] * args.num_iterations),
+        "offpolicy/cap_frac": sum(s["capped"] for s in stats).item() / token_passes,
         **behaviour_diagnostics(torch.cat([old_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)]),
                                 torch.cat([behav_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)])),
     }

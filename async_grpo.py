@@ -27,12 +27,14 @@ A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = 
     icepop     M(w) * min(u A, clip(u) A), M(w) = w on [a, b], 0 outside: a token whose weight left the band
                drops (IcePop, the Ring-1T report, Ling team 2025; a, b = --icepop-low/-high, 0.5 and 5 as published)
     seq-mask   min(u A, clip(u) A), unweighted, and a whole sequence dropped where its geometric-mean weight
-               exp(mean_t log w_t) leaves [1/C, C], C = --seq-mask-cap (verl's geometric rejection, 1.001;
-               TRL's sequence-level mask)
+               exp(mean_t log w_t) leaves [1/C, C], C = --seq-mask-cap (verl's geometric rejection, 1.001,
+               sized for the sampler/trainer mismatch; TRL's sequence mask caps the product exp(sum_t log w_t))
     opsm       as none, and a whole sequence with A < 0 dropped where mean_t log(mu / pi_theta) > delta
-               (off-policy sequence masking, the DeepSeek-V3.2 report, 2025; delta = --opsm-delta)
+               (off-policy sequence masking, the DeepSeek-V3.2 report, 2025; delta = --opsm-delta; recomputed
+               each pass, so from the second pass a sequence the first pushed down is dropped too)
     cispo      sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi_theta: the weight capped, no token's
-               gradient dropped (CISPO, MiniMax-M1, arXiv:2506.13585; --cispo-eps-low/-high)
+               gradient dropped, summed over all tokens / their count whatever --loss-agg says (CISPO, MiniMax-M1,
+               arXiv:2506.13585: its 1 / sum_i |o_i|; --cispo-eps-low/-high)
 
 minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg over all completion tokens: a token
 that m2po masks, or decoupled, icepop, seq-mask or opsm drops, contributes 0 and still counts in the denominator (the
@@ -218,7 +220,7 @@ class Args:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """estimator of KL(pi_theta || pi_ref) per token (k3 in the paper)"""
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py)"""
+    """how per-token losses are averaged: GRPO | DAPO | Dr. GRPO (see common/losses.py); cispo: token-mean, its own"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group std, the batch std, or nothing (Dr. GRPO)"""
     max_grad_norm: float = 1.0
@@ -543,10 +545,11 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     per_token = -surrogate
     if ref_logps is not None:
         per_token = per_token + args.beta * kl_estimate(logps, ref_logps, args.kl_estimator)
-    loss = aggregate(per_token, mask, args.loss_agg, num_seqs, num_tokens, args.max_new_tokens)
+    agg = "token-mean" if args.correction == "cispo" else args.loss_agg  # CISPO's own normaliser: 1 / sum_i |o_i|
+    loss = aggregate(per_token, mask, agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
-        clip = args.correction != "m2po"
+        clip = args.correction not in ("m2po", "cispo")  # their trust region is the mask or the capped weight
         clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0) & clip, (ratio > 1 + args.eps_high) & (A > 0) & clip
         stats = {
             "ratio": ratio[m].sum(),
@@ -640,7 +643,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "policy/approx_kl": sum(s["approx_kl"] for s in stats).item() / token_passes,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
         "offpolicy/mask_frac": sum(s["masked"] for s in stats).item() / token_passes,
-        "offpolicy/mask_seq_frac": sum(s["masked_seqs"] for s in stats).item() / (mask.shape[0] * args.num_iterations),
+        "offpolicy/mask_seq_frac": (sum(s["masked_seqs"] for s in stats).item()
+                                    / max(mask.any(-1).sum().item() * args.num_iterations, 1)),
         "offpolicy/cap_frac": sum(s["capped"] for s in stats).item() / token_passes,
         **behaviour_diagnostics(torch.cat([old_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)]),
                                 torch.cat([behav_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)])),

@@ -74,6 +74,17 @@ def test_cispo_caps_the_weight_and_keeps_every_tokens_gradient():
     assert stats["masked"].item() == 0 and stats["capped"].item() == 1
 
 
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_cispo_divides_by_the_token_count_whatever_the_loss_aggregation(loss_agg):
+    """MiniMax-M1's 1 / sum_i |o_i|: under another --loss-agg the rows of other lengths would weigh differently."""
+    logps, old, behav = batch()
+    args = async_grpo.Args(correction="cispo", beta=0.0, loss_agg=loss_agg, max_new_tokens=3)
+    loss, stats = async_grpo.async_loss(logps, old, behav, None, A, MASK, args, 2, MASK.sum())
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert [x for row in (grad * MASK).tolist() for x in row] == pytest.approx(loss_of("cispo")[1])
+    assert stats["clip_low"].item() == stats["clip_high"].item() == 0  # no PPO clip acts: the weight's cap is cap_frac
+
+
 def test_a_lower_cispo_bound_caps_from_below_too():
     loss, grad, stats = loss_of("cispo", cispo_eps_low=0.5)  # r = 0.4 raised to 0.5
     assert grad[0] == pytest.approx(-0.5 / N) and stats["capped"].item() == 2

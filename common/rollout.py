@@ -362,8 +362,8 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
     prompts of 5 and 9 tokens, left-padded, two completions each of 3 to 8 tokens, right-padded): the largest
     |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
     shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
-    behaviour log-probs (prompts shared, the preallocated cache), each against log_softmax of the model's own forward
-    of each row alone, unpadded and uncached. In float32 where the weights are float32 (bf16 autocast set aside)."""
+    behaviour log-probs (prompts shared, the preallocated cache, ended rows leaving the batch), each against
+    log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32 where the weights are float32 (bf16 autocast set aside)."""
     inner = getattr(model, "module", model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     V = inner.get_input_embeddings().weight.shape[0] if hasattr(inner, "get_input_embeddings") else inner.config.vocab_size
@@ -396,13 +396,15 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
             train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
             model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
             uniforms = torch.rand(4, T, generator=g).to(device)
-            sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, [-1], 0, uniforms)
-            reference, reference_sampled = own(batch[2], batch[3]), own(sampled, torch.ones_like(sampled))
+            eos = list(range(low, low + max(1, (high - low) // 6)))  # a sixth of the ids: rows end, and leave the batch
+            sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, eos, 0, uniforms)
+            ended = completion_mask(sampled, eos)[0]
+            reference, reference_sampled = own(batch[2], batch[3]), own(sampled, ended)
     finally:
         model.train(was_training)
     m = batch[3].bool()
     return {"train": (train[m].float() - reference[m]).abs().max().item(),
-            "sampler": (behaviour.float() - reference_sampled).abs().max().item()}
+            "sampler": (behaviour.float() * ended - reference_sampled).abs().max().item()}
 
 
 @contextmanager

@@ -138,6 +138,12 @@ class PreallocatedLayer(DynamicLayer):
         self.length, self.device, self.is_initialized = L, keys.device, True
         self.keys, self.values = self.key_buffer[:, :, :L], self.value_buffer[:, :, :L]
 
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Keep the rows beam_idx, buffers included (the sampler drops finished rows: leave_batch)."""
+        idx = beam_idx.to(self.key_buffer.device)
+        self.key_buffer, self.value_buffer = self.key_buffer.index_select(0, idx), self.value_buffer.index_select(0, idx)
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
         self.key_buffer[:, :, self.length : end], self.value_buffer[:, :, self.length : end] = key_states, value_states
@@ -193,14 +199,20 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x.contiguous(), right=True)
 
 
+LEAVE_BATCH = 0.25  # ended rows leave the decoding batch once they are a quarter of it (each leaving copies the cache)
+
+
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
            pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
-           preallocate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+           preallocate: bool = True, leave_batch: float | None = LEAVE_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
     with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
     truncated to top_k / top_p and renormalised. The KV cache is preallocated for the whole rollout
-    (preallocated(); preallocate=False keeps transformers' growing cache)."""
+    (preallocated(); preallocate=False keeps transformers' growing cache). Rows that have ended leave the
+    decoding batch once they are at least leave_batch of it (their cache rows dropped in one copy; None: never):
+    every row keeps its own uniforms, so the others draw what they would have drawn, up to rounding (a smaller
+    batch multiplies other shapes: conftest.assert_same_samples)."""
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -218,8 +230,10 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     if preallocate:
         preallocated(cache, max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-    tokens, logprobs = [], []
+    tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=prompt_ids.device)
+    logprobs = torch.zeros(B, max_new_tokens, device=prompt_ids.device)
+    rows = torch.arange(B, device=prompt_ids.device)  # the rows in the decoding batch, by their place in the output
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)  # of the rows in the batch: ended
     for t in range(max_new_tokens):
         logp = torch.log_softmax(truncate(logits[:, -1].float() / (temperature or 1.0), top_k, top_p), dim=-1)
         if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
@@ -227,17 +241,20 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
         if temperature == 0:
             token = logp.argmax(-1, keepdim=True)
         else:
-            token = inverse_cdf(logp, uniforms[:, t : t + 1])
-        token_logp = logp.gather(-1, token)
-        tokens.append(torch.where(done[:, None], pad_id, token))
-        logprobs.append(torch.where(done[:, None], 0.0, token_logp))
+            token = inverse_cdf(logp, uniforms[rows, t : t + 1])
+        live = rows[~done]  # a row that has ended writes nothing more: pad and log-prob 0 stay
+        tokens[live, t], logprobs[live, t] = token[~done, 0], logp.gather(-1, token)[~done, 0]
         done |= torch.isin(token[:, 0], eos)
         if done.all() or t == max_new_tokens - 1:
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
         position = position[:, -1:] + 1
+        if leave_batch is not None and done.sum() >= leave_batch * len(done) and hasattr(cache, "reorder_cache"):
+            keep = (~done).nonzero()[:, 0]
+            cache.reorder_cache(keep)
+            rows, done, token, mask, position = rows[keep], done[keep], token[keep], mask[keep], position[keep]
         logits, cache = _forward(model, token, mask, position, **{cache_kw: cache})
-    return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+    return tokens[:, : t + 1], logprobs[:, : t + 1]
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

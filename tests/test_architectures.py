@@ -20,7 +20,7 @@ import grpo
 from common.cli import ConfigError
 from common.models import disable_dropout
 from common.rollout import check_forward, micro_batches, output_layer, token_logprobs
-from common.sampling import Rollout, sample
+from common.sampling import Rollout, completion_mask, sample
 
 # The families the issue names: each must be served, not refused.
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "cohere", "phi3", "gpt2",
@@ -107,9 +107,11 @@ def assert_scored_as_its_own_forward(model, atol: float = 1e-4) -> None:
             assert (logps[mb.completion_mask.bool()] - rows[mb.completion_mask.bool()]).abs().max() < atol
     model.eval()  # the sampler: its behaviour log-probs against the own forward of the tokens it drew
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1))
-    ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, [-1], 0, uniforms)
-    sampled = own_logprobs(model, batch.prompt_ids, batch.prompt_mask, ids, torch.ones_like(ids))
-    assert (behaviour - sampled).abs().max() < atol
+    eos = list(range(3, 16))  # frequent enough that rows end at different steps and leave the decoding batch
+    ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, eos, 0, uniforms)
+    ended = completion_mask(ids, eos)[0]
+    sampled = own_logprobs(model, batch.prompt_ids, batch.prompt_mask, ids, ended)
+    assert (behaviour * ended - sampled).abs().max() < atol
 
 
 def with_lora(model):

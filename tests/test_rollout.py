@@ -189,3 +189,31 @@ def test_a_preallocated_kv_cache_samples_what_the_growing_cache_does(tiny_model,
     assert_same_samples(tiny_model, runs[False], runs[True], keys, 12)
     assert runs[True].completion_mask.sum(-1).max() > 6  # several decode steps through the preallocated cache
     assert len(made) == tiny_model.config.num_hidden_layers  # one buffer per layer, for the second run only
+
+
+@pytest.mark.parametrize("preallocate, temperature", [(True, 1.0), (False, 1.0), (True, 0.0)])
+def test_ended_rows_leave_the_decoding_batch_and_the_others_draw_what_they_would_have(tokenizer, preallocate, temperature):
+    """The embedded model on prompts of 3 to 7 digits: completions end at different steps. With leave_batch the rows
+    that ended are dropped from the batch (and from the KV cache) once they are a quarter of it; every row keeps its
+    uniforms, so the tokens and log-probs are those of the whole batch up to rounding (other matrix shapes)."""
+    from common.models import load_model, resolve_model
+
+    model = load_model(resolve_model("embedded", "reverse")).eval()
+    prompts = [f"{n}>" for n in (123, 4567, 89012, 345678, 9012345, 67, 8901, 23456)]
+    ids, mask = encode_prompts(tokenizer, [p for p in prompts for _ in range(2)], "cpu")
+    keys = [(5, i) for i in range(16)]
+    u = row_uniforms(keys, 12, "cpu")
+    runs, rows = {}, {}
+    for leave in (None, 0.25):
+        batch_sizes = []
+        hook = model.register_forward_pre_hook(lambda m, a, k: batch_sizes.append(len(k["input_ids"])), with_kwargs=True)
+        tokens, logps = sample(model, ids, mask, 12, temperature, [tokenizer.eos_token_id], tokenizer.pad_token_id, u,
+                               preallocate=preallocate, leave_batch=leave)
+        hook.remove()
+        cmask, finished = completion_mask(tokens, [tokenizer.eos_token_id])
+        runs[leave], rows[leave] = Rollout(ids, mask, tokens, cmask, logps * cmask, finished, [""] * 16), batch_sizes
+    assert_same_samples(model, runs[None], runs[0.25], keys, 12, temperature)  # log-probs to 1e-5 where tokens agree
+    lengths = runs[None].completion_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # rows ended at different steps
+    assert all(n == 16 for n in rows[None][1:]) and min(rows[0.25][1:]) < 16  # the decoding batch shrank
+    assert sum(rows[0.25]) < sum(rows[None])

@@ -14,6 +14,8 @@ Arms (ARMS below):
 - K4_tis: K = 4 with truncated importance sampling, the correction that reached the embedded job's target in
   the fewest steps at K = 4 (137 steps, 3 of 3 seeds; decoupled: 160; none: 1 of 3; repro/README.md).
 - K1_tis: the threaded arm's staleness and correction, emulated (the thread's effect apart from K's).
+- K4_none_noclip: K4_none with the clip opened (eps_low 0.999, eps_high 1e6), checkpointed every 10 steps: does the
+  clip against the stale mu cut the tokens being learned (the candidate mechanism of K4_none's stall)?
 - threaded: async_grpo.py as a user starts it (a generation thread, K = 1, tis) for the wall time to the same
   held-out accuracy as grpo.py. Compute time = learner wait + train per step (grpo.py: sampling + train), so
   the evaluations are left out of both; during an evaluation the generator may sample at most one batch ahead.
@@ -39,6 +41,9 @@ ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe
     "K2_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "2", "--correction", "none"]),
     "K4_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none"]),
     "K4_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis"]),
+    # issue 34's mechanism: K = 4 bypass with the clip on r = pi_theta / mu opened ([0.001, 1e6]: no token cut)
+    "K4_none_noclip": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none",
+                                         "--eps-low", "0.999", "--eps-high", "1e6", "--save-every", "10"]),
     "threaded": ("async_grpo.py", ["--mode", "threaded", "--max-staleness", "1", "--correction", "tis"]),
 }
 

@@ -507,8 +507,8 @@ def m2po_mask(log_r: torch.Tensor, mask: torch.Tensor, threshold: float) -> torc
 def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args: Args, num_seqs, num_tokens,
                keep=None, turn_ids=None, max_turns=1):
     """Per-token corrected surrogate plus beta * KL, aggregated over the completion tokens (mask) with
-    the whole batch's counts. keep is M2PO's mask M (m2po only). Tokens that m2po masks or that the
-    decoupled cap drops get weight 0 but stay in the denominator (M2PO's 1 / sum |o_i|, AReaL's
+    the whole batch's counts. keep is M2PO's mask M (m2po only). Tokens that m2po masks, or that decoupled,
+    icepop, seq-mask or opsm drop, get weight 0 but stay in the denominator (M2PO's 1 / sum |o_i|, AReaL's
     behav_imp_weight_cap): dropping a token does not up-weight the others. With turn_ids (multi-turn),
     the clip and ratio statistics per model turn too."""
     A = advantages[:, None]

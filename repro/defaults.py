@@ -1,6 +1,6 @@
 """Each script with no arguments, as a newcomer runs it: the README's first table.
 
-    python repro/defaults.py                      # ~13 minutes on 2 CPU cores
+    python repro/defaults.py                      # ~6 minutes on 2 CPU cores
     python repro/defaults.py --scripts grpo.py --seeds 0
 
 Runs `python <script> --seed S` one after another (wall time and peak memory are each process's own), on the

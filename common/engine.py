@@ -145,8 +145,9 @@ def widened(name: str, weight: torch.Tensor, d: int) -> torch.Tensor:
     query or key head goes to 2i (i < d/2) or to d + 2(i - d/2): rotate_half pairs i with i + d/2, and the new places
     2i and d + 2i are paired the same way (i + 2d/2) and rotated at the same frequency (theta^(-2i/d) =
     theta^(-2(2i)/2d)); q (weight and bias) is scaled by sqrt(2) for the score's 1/sqrt(head_dim); a value head's
-    dimensions go to the first d places, and o_proj reads them there (its bias, over the hidden size, is unchanged). The new dimensions are 0 in q, k, v and o, and stay 0 under training
-    (each one's gradient is a product with another of them). Every other weight is as it was."""
+    dimensions go to the first d places, and o_proj reads them there (its bias, over the hidden size, is unchanged).
+    The new dimensions are 0 in q, k, v and o, and stay 0 under training (each one's gradient is a product with
+    another of them). Every other weight is as it was."""
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias")):
         place = (torch.tensor([2 * i if i < d // 2 else d + 2 * (i - d // 2) for i in range(d)])
                  if ".v_proj." not in "." + name else torch.arange(d))
@@ -163,14 +164,13 @@ def widened(name: str, weight: torch.Tensor, d: int) -> torch.Tensor:
 
 def wide_heads_copy(src: Path, dst: Path) -> Path:
     """The Llama at src written to dst with its heads twice as wide (widened), for vLLM's CPU attention."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(src)
-    d = config.head_dim
-    config.head_dim = 2 * d
-    wide = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    wide.load_state_dict({name: widened(name, w, d) for name, w in model.state_dict().items()})
+    weights, d = model.state_dict(), model.config.head_dim
+    model.config.head_dim = 2 * d
+    wide = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    wide.load_state_dict({name: widened(name, w, d) for name, w in weights.items()})
     wide.generation_config = model.generation_config
     wide.save_pretrained(dst)
     return dst

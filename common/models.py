@@ -149,7 +149,9 @@ def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: boo
     weights themselves in `dtype` (no float32 master copy)."""
     weights = DTYPES[dtype] if pure else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weights, trust_remote_code=trust_remote_code)
-    return autocast_forward(model, dtype)
+    model = autocast_forward(model, dtype)
+    output_layer(model)  # whether the output layer can be applied apart (head_is_last), found once, at load
+    return model
 
 
 def pure_dtype_warning(model, lr: float, dtype: str) -> str:
@@ -211,8 +213,8 @@ def enable_checkpointing(model) -> None:
 def check_lora_targets(model, targets) -> None:
     """Every --lora-target-modules name matches some layer LoRA can adapt, by peft's rule for a list of names: the
     layer's name is the target or ends in '.' + target (q_proj, self_attn.q_proj), and the layer is a kind peft's LoRA
-    adapts (Linear, Embedding, a convolution, transformers' Conv1D as in GPT-2's c_attn, MultiheadAttention). Else a one-line error listing
-    the names the model has."""
+    adapts (Linear, Embedding, a convolution, transformers' Conv1D as in GPT-2's c_attn, MultiheadAttention). Else a
+    one-line error listing the names the model has."""
     if targets == "all-linear":
         return
     from transformers.pytorch_utils import Conv1D
@@ -300,5 +302,4 @@ def load_reference(name_or_path: str, args, policy=None):
         return AdapterDisabled(policy)
     ref = load_model(name_or_path, args.dtype, args.trust_remote_code, args.pure_dtype).eval()
     ref.requires_grad_(False)
-    output_layer(ref)  # its output layer's probe (head_is_last) now, as the policy's ran in check_forward
     return ref

@@ -14,8 +14,8 @@ import torch
 
 from common.cli import ConfigError
 from common.multiturn import multi_turn_rollout
-from common.sampling import (Rollout, _accepts, completion_mask, distinct_prompts, encode_prompts, full_parameters,
-                             row_uniforms, sample, truncate)
+from common.sampling import (Rollout, _accepts, base_model, completion_mask, distinct_prompts, encode_prompts,
+                             full_parameters, row_uniforms, sample, truncate)
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
@@ -103,8 +103,9 @@ def micro_batches(batch: Rollout, group_size: int, count: int = 1, max_tokens: i
     to its own longest prompt and completion. Groups are ordered by their longest completion, so that a micro-batch
     holds groups of like lengths. `count` micro-batches of about equal numbers of groups; or, with max_tokens, as many
     as keep each one's tokens (its prompts once a group, or once a row without shared_prompts, and its rows'
-    completions, padding included) within max_tokens, at least `count` (a group alone may exceed it). Gradient accumulation over them gives the one-batch update as long as
-    the loss is normalised by the whole batch's counts (common/losses.py: aggregate)."""
+    completions, padding included) within max_tokens, at least `count` (a group alone may exceed it). Gradient
+    accumulation over them gives the one-batch update as long as the loss is normalised by the whole batch's counts
+    (common/losses.py: aggregate)."""
     groups = batch.completion_ids.shape[0] // group_size
     longest = batch.attention_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
     prompt = batch.prompt_mask.sum(-1).view(groups, group_size).max(-1).values.tolist()
@@ -205,8 +206,7 @@ def runs_prompts_once(model) -> bool:
     """Whether the training forward runs a group's prompt once (completion_logits): a forward returns a KV cache in
     the mode the model is in (transformers drops the cache of a model that checkpoints its activations in training
     mode). micro_batches' token budget counts the prompts accordingly."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = base_model(model)
     checkpointing = checkpoints_activations(inner) and inner.training
     return not checkpointing and (_accepts(model, "past_key_values") or _accepts(model, "cache"))
 
@@ -267,8 +267,7 @@ def output_layer(model):
     hidden states (head_is_last). None for anything else: a model that does more to its logits (Granite divides them,
     Cohere multiplies them, Gemma-2 caps them with a tanh) is scored through its own forward; so is a sharded (FSDP)
     model, whose weights exist whole only inside its forward."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = base_model(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -363,9 +362,9 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
     |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
     shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
     behaviour log-probs (prompts shared, the preallocated cache, ended rows leaving the batch), each against
-    log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32 where the weights are float32 (bf16 autocast set aside)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32 where the weights are
+    float32 (bf16 autocast set aside)."""
+    inner = base_model(model)
     V = inner.get_input_embeddings().weight.shape[0] if hasattr(inner, "get_input_embeddings") else inner.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     device = next(inner.parameters()).device
@@ -420,12 +419,16 @@ def no_dropout_modules(model):
             m.p = p
 
 
+def float32_weights(model) -> bool:
+    return all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @contextmanager
 def float32_forward(model):
     """The model's forward without the bf16 autocast common/models.py patches onto it, output layer included (its
     autocast_dtype, which chunked_logprobs reads), where its weights are float32."""
     aside = {}
-    if all(p.dtype == torch.float32 for p in model.parameters()):
+    if float32_weights(model):
         aside = {k: model.__dict__.pop(k) for k in ("forward", "autocast_dtype") if k in model.__dict__}
     try:
         yield
@@ -436,8 +439,7 @@ def float32_forward(model):
 def check_forward(model, name: str) -> None:
     """Refuse, in one line, a model whose log-probs postrl would compute wrongly (forward_mismatch above the
     tolerance), or that postrl's forward cannot run at all (an encoder-decoder, say): before any training step."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = base_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"--model {name}: {type(inner).__name__} is an encoder-decoder model; postrl trains "
@@ -449,7 +451,7 @@ def check_forward(model, name: str) -> None:
     except Exception as e:  # noqa: BLE001 -- any other failure here is a model family postrl cannot serve
         raise ConfigError(f"--model {name}: postrl cannot run this model ({type(model).__name__}): "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
-    tolerance = FORWARD_TOLERANCE if all(p.dtype == torch.float32 for p in model.parameters()) else 0.1
+    tolerance = FORWARD_TOLERANCE if float32_weights(model) else 0.1  # pure bf16 weights: bf16 rounding
     if not all(value <= tolerance for value in mismatch.values()):  # (NaN is not <= anything: refused)
         raise ConfigError(f"--model {name}: postrl's log-probs for this model ({type(model).__name__}) differ from its own "
                           f"forward's by up to {mismatch['train']:.2g} (training forward) and {mismatch['sampler']:.2g} "

@@ -112,11 +112,15 @@ def completion_mask(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[t
     return (~eos_seen_before).long(), is_eos.any(-1)
 
 
+def base_model(model):
+    """The transformers model inside DDP's and peft's wrappers (peft's adapters still in it)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _accepts(model, name: str) -> bool:
     """Whether the model's forward takes this keyword (through DDP's and peft's wrappers)."""
-    model = getattr(model, "module", model)
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return name in inspect.signature(model.forward).parameters
+    return name in inspect.signature(base_model(model).forward).parameters
 
 
 def _forward(model, input_ids, attention_mask, position_ids, **kwargs):

@@ -322,6 +322,12 @@ def test_emulated_resume_restores_the_lagged_weights(tmp_path):
     ({"tis_cap": 0.5}, "--tis-cap must be >= 1"),
     ({"m2po_threshold": 0.0}, "--m2po-threshold must be > 0"),
     ({"generator_threads": 0}, "--generator-threads must be >= 1"),
+    ({"icepop_low": 1.5}, r"--icepop-low and --icepop-high must satisfy 0 <= low <= 1 <= high \(got 1.5, 5.0\)"),
+    ({"icepop_high": 0.9}, r"--icepop-low and --icepop-high must satisfy 0 <= low <= 1 <= high \(got 0.5, 0.9\)"),
+    ({"seq_mask_cap": 1.0}, r"--seq-mask-cap must be > 1 \(got 1.0\)"),
+    ({"opsm_delta": -0.1}, r"--opsm-delta must be >= 0 \(got -0.1\)"),
+    ({"cispo_eps_low": 1.5}, r"--cispo-eps-low must be in \[0, 1\] and --cispo-eps-high > 0 \(got 1.5, 0.28\)"),
+    ({"cispo_eps_high": 0.0}, r"--cispo-eps-low must be in \[0, 1\] and --cispo-eps-high > 0 \(got 1.0, 0.0\)"),
 ])
 def test_bad_input_is_refused_before_any_model_is_built(tmp_path, monkeypatch, overrides, message):
     monkeypatch.setattr(async_grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))

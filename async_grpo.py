@@ -236,6 +236,9 @@ class Args:
     """k of eval/pass@k (k <= n)"""
     eval_prompts: int = 128
     """number of held-out prompts"""
+    eval_cache: str | None = None
+    """a directory where evaluation completions are kept under the hash of all they depend on (weights, prompts,
+    draws, flags, sampler code) and reused: the arms of a study evaluate their common base model once"""
     save_every: int = 50
     """checkpoint every this many steps (and at the end, and on Ctrl-C)"""
     track: bool = False
@@ -245,7 +248,7 @@ class Args:
 
 
 # Flags that may differ between a run and its resumption.
-RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "device", "run_name", "output_dir",
+RESUMABLE = {"resume", "export_dtype", "steps", "save_every", "eval_every", "track", "eval_cache", "device", "run_name", "output_dir",
              "extra_eval_data_path", "microbatch_tokens", "generation_batch_size",
              "generator_threads", "learner_threads", "queue_size", "generator_device"}
 
@@ -711,7 +714,8 @@ def main(args: Args) -> None:
 
     def eval_now() -> dict:
         return evaluate(policy, tokenizer, task, args.eval_samples, args.eval_k, args.max_new_tokens,
-                        args.temperature, eos_ids, device, args.seed, 0, 1, args.generation_batch_size, args.top_k, args.top_p)
+                        args.temperature, eos_ids, device, args.seed, 0, 1, args.generation_batch_size, args.top_k, args.top_p,
+                        args.eval_cache)
 
     stop = GracefulStop()
     bar = progress_bar(args.steps, initial=max(start - 1, 0), desc=run_dir.name)

@@ -144,9 +144,31 @@ def autocast_forward(model, dtype: str):
     return model
 
 
+MALLOPT = ((-3, 2**30), (-1, 2**31 - 1), (-2, 2**28))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to serve blocks of up to 1 GB from its heap and to keep what is freed there for the next
+    allocation. By default a block above its threshold (at most 32 MB) is mapped from the OS and unmapped when freed,
+    so every large activation, KV-cache buffer or (rows x vocabulary) tensor of every step is page-faulted in anew,
+    zeroed by the kernel page by page: on this 2-core CPU a SmolLM2 training step took 30-39 s, with this 24-26 s.
+    Allocation only: no number changes. True where it applied (glibc on Linux)."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # another C library (musl)
+        return False
+    return all(libc.mallopt(option, value) == 1 for option, value in MALLOPT)
+
+
 def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False, pure: bool = False):
     """A model to train: float32 weights, forwards in `dtype` (mixed precision); with pure=True the
     weights themselves in `dtype` (no float32 master copy)."""
+    keep_freed_memory()
     weights = DTYPES[dtype] if pure else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weights, trust_remote_code=trust_remote_code)
     model = autocast_forward(model, dtype)

@@ -6,8 +6,12 @@ forward: a group's prompt once, the output layer a chunk at a time); pass@k and 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +19,7 @@ import torch
 from common.cli import ConfigError
 from common.multiturn import multi_turn_rollout
 from common.sampling import (Rollout, _accepts, base_model, completion_mask, distinct_prompts, encode_prompts,
-                             full_parameters, row_uniforms, sample, truncate)
+                             full_parameters, output_layer, row_uniforms, sample, truncate)
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
@@ -260,52 +264,6 @@ def logprobs_from_logits(logits, tokens, temperature: float = 1.0, with_entropy:
     return logps, entropy
 
 
-def output_layer(model):
-    """The model's output layer (hidden states -> logits) and the autocast dtype its forward runs under, when it can be
-    applied apart from the model's forward: a transformers model, under DDP or peft (the output layer a plain Linear,
-    without adapters), whose forward returns that layer's output as its logits, untouched, computed from its last
-    hidden states (head_is_last). None for anything else: a model that does more to its logits (Granite divides them,
-    Cohere multiplies them, Gemma-2 caps them with a tanh) is scored through its own forward; so is a sharded (FSDP)
-    model, whose weights exist whole only inside its forward."""
-    inner = base_model(model)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        FSDPModule = ()
-    if type(head) is not torch.nn.Linear or (FSDPModule and any(isinstance(m, FSDPModule) for m in inner.modules())):
-        return None
-    if not head_is_last(inner, head):
-        return None
-    return head, getattr(inner, "autocast_dtype", None)
-
-
-@torch.no_grad()
-def head_is_last(model, head) -> bool:
-    """Whether model's forward ends in head: its logits are the very tensor head returned, unchanged, and head's input
-    is the last of its hidden states. Checked once per model, by identity on one forward of four tokens, not by
-    comparing numbers: a model that scales, caps or otherwise recomputes its logits after the head returns another
-    tensor (or changes this one's values), so it fails whatever its weights and whatever the tolerance."""
-    if not hasattr(model, "_postrl_head_is_last"):
-        seen = {}
-
-        def record(module, args, output):
-            seen.update(input=args[0], output=output, values=output.clone())
-
-        hook = head.register_forward_hook(record)
-        try:
-            ids = torch.arange(4, device=head.weight.device)[None] % head.out_features
-            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
-            hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) else None
-            model._postrl_head_is_last = (out.logits is seen.get("output") and torch.equal(out.logits, seen["values"])
-                                          and hidden is not None and torch.equal(hidden, seen["input"]))
-        except (TypeError, ValueError, RuntimeError):  # a forward that takes no output_hidden_states: its own logits
-            model._postrl_head_is_last = False
-        finally:
-            hook.remove()
-    return model._postrl_head_is_last
-
-
 CHUNK_BYTES = 2**25  # logits of at most 32 MB at a time: small enough for the allocator to reuse, never a page fault
 
 
@@ -472,47 +430,98 @@ EVAL_KEY = 2**31 - 1  # the eval draws use keys (seed, EVAL_KEY, prompt, sample)
 @torch.no_grad()
 def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temperature: float, eos_ids: list[int],
              device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None, top_k: int = 0,
-             top_p: float = 1.0) -> dict[str, float]:
+             top_p: float = 1.0, cache_dir: str | None = None) -> dict[str, float]:
     """pass@1 and pass@k from n samples per held-out prompt at the sampling temperature (unbiased
     estimator), greedy accuracy, and mean sampled reward; on task.test (eval/...) and on each of task.extra_tests
-    (eval/<name>/...). Prompts are sharded over processes."""
+    (eval/<name>/...). Prompts are sharded over processes. With cache_dir, completions are reused from there when
+    everything they are a function of is the same (eval_rollouts); time/eval_s is the wall time of it all."""
+    t0 = time.perf_counter()
     sets = {"eval/": task.test, **{f"eval/{name}/": data for name, data in task.extra_tests.items()}}
     metrics = {}
     for prefix, data in sets.items():
         metrics.update(evaluate_set(model, tokenizer, task, data, prefix, n, k, max_new_tokens, temperature, eos_ids,
-                                    device, seed, rank, world, batch_size, top_k, top_p))
-    return metrics
+                                    device, seed, rank, world, batch_size, top_k, top_p, cache_dir))
+    return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
 
 def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_tokens: int, temperature: float,
-                  eos_ids: list[int], device, seed: int, batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0):
+                  eos_ids: list[int], device, seed: int, batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0,
+                  cache_dir: str | None = None):
     """The evaluation's completions of data's rows idx, scored: n samples each with keys (seed, EVAL_KEY, row,
     sample), the same draws at every evaluation and for every model, and one greedy completion each. Returns the
     sampled Rollout (row-major: a prompt's n samples together), their rewards and successes, and the greedy
-    completions' successes."""
+    completions' successes. With cache_dir the two Rollouts are memoised there (memoised: every arm of a study
+    evaluates its base model once); they are scored again each time."""
     shard = data.select(idx)
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
     repeated = [a for a in answers for _ in range(n)]
-    sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)],
-                      [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)], max_new_tokens, temperature, eos_ids, device,
-                      task.envs(repeated), batch_size, top_k, top_p)
+    keys = [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)]
+
+    def sample_both() -> tuple[Rollout, Rollout]:
+        sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)], keys, max_new_tokens, temperature,
+                          eos_ids, device, task.envs(repeated), batch_size, top_k, top_p)
+        greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
+                         task.envs(answers), batch_size)
+        return sampled, greedy
+
+    flags = (prompts, answers, keys, max_new_tokens, temperature, eos_ids, str(device), batch_size, top_k, top_p,
+             type((task.envs(answers[:1]) or [None])[0]).__name__)
+    key = memo_key(model, tokenizer, flags) if cache_dir else None
+    sampled, greedy = memoised(Path(cache_dir) / f"{key}.pt", sample_both, device) if key else sample_both()
     rewards, successes = task.score(sampled, repeated, shard)
-    greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,
-                     task.envs(answers), batch_size)
     _, greedy_successes = task.score(greedy, answers, shard)
     return sampled, rewards, successes, greedy_successes
 
 
+SAMPLER_CODE = ("sampling.py", "multiturn.py")  # the code that turns weights, prompts and uniforms into tokens
+
+
+def memo_key(model, tokenizer, flags) -> str | None:
+    """sha256 of everything a rollout is a function of: every weight and buffer of the model (name, dtype, shape,
+    bytes), its class and config, the tokenizer (vocabulary, chat template), the rollout's own arguments (flags), the
+    sampler's source code and the torch and transformers releases. None for sharded weights (no whole copy to hash)."""
+    import transformers
+
+    inner = base_model(model)
+    h = hashlib.sha256()
+    for name, value in inner.state_dict().items():
+        if type(value) is not torch.Tensor:  # a DTensor shard (FSDP)
+            return None
+        h.update(f"{name} {value.dtype} {tuple(value.shape)}".encode())
+        h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    here = Path(__file__).parent
+    h.update(repr((type(inner).__name__, inner.config.to_json_string(), sorted(tokenizer.get_vocab().items()),
+                   getattr(tokenizer, "chat_template", None), flags, torch.__version__, transformers.__version__,
+                   [(here / f).read_text() for f in SAMPLER_CODE])).encode())
+    return h.hexdigest()
+
+
+def memoised(path: Path, fn, device) -> tuple:
+    """fn()'s Rollouts, loaded onto device from path if an earlier call saved them there, else computed and saved
+    (written to a temporary file and renamed: a crash leaves no half-written entry)."""
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        return tuple(Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in r.items()})
+                     for r in saved)
+    rollouts = fn()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save([{f.name: getattr(r, f.name) for f in dataclasses.fields(Rollout)} for r in rollouts], tmp)
+    os.replace(tmp, path)
+    return rollouts
+
+
 def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_new_tokens: int, temperature: float,
                  eos_ids: list[int], device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None,
-                 top_k: int = 0, top_p: float = 1.0) -> dict[str, float]:
+                 top_k: int = 0, top_p: float = 1.0, cache_dir: str | None = None) -> dict[str, float]:
     """evaluate() on one held-out Dataset, its metrics named prefix + name. pass@1_se and greedy_se are the standard
     errors of the mean over prompts (pass@1: the spread of the per-prompt pass@1 over sqrt(prompts))."""
     from accelerate.utils import gather_object
 
     idx = list(range(rank, len(data), world))
     sampled, rewards, successes, greedy_successes = eval_rollouts(model, tokenizer, task, data, idx, n, max_new_tokens,
-                                                                  temperature, eos_ids, device, seed, batch_size, top_k, top_p)
+                                                                  temperature, eos_ids, device, seed, batch_size, top_k, top_p,
+                                                                  cache_dir)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote

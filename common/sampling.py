@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,10 +123,57 @@ def _accepts(model, name: str) -> bool:
     return name in inspect.signature(base_model(model).forward).parameters
 
 
+def output_layer(model):
+    """The model's output layer (hidden states -> logits) and the autocast dtype its forward runs under, when it can be
+    applied apart from the model's forward: a transformers model, under DDP or peft (the output layer a plain Linear,
+    without adapters), whose forward returns that layer's output as its logits, untouched, computed from its last
+    hidden states (head_is_last). None for anything else: a model that does more to its logits (Granite divides them,
+    Cohere multiplies them, Gemma-2 caps them with a tanh) is scored through its own forward; so is a sharded (FSDP)
+    model, whose weights exist whole only inside its forward."""
+    inner = base_model(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        FSDPModule = ()
+    if type(head) is not torch.nn.Linear or (FSDPModule and any(isinstance(m, FSDPModule) for m in inner.modules())):
+        return None
+    if not head_is_last(inner, head):
+        return None
+    return head, getattr(inner, "autocast_dtype", None)
+
+
+@torch.no_grad()
+def head_is_last(model, head) -> bool:
+    """Whether model's forward ends in head: its logits are the very tensor head returned, unchanged, and head's input
+    is the last of its hidden states. Checked once per model, by identity on one forward of four tokens, not by
+    comparing numbers: a model that scales, caps or otherwise recomputes its logits after the head returns another
+    tensor (or changes this one's values), so it fails whatever its weights and whatever the tolerance."""
+    if not hasattr(model, "_postrl_head_is_last"):
+        seen = {}
+
+        def record(module, args, output):
+            seen.update(input=args[0], output=output, values=output.clone())
+
+        hook = head.register_forward_hook(record)
+        try:
+            ids = torch.arange(4, device=head.weight.device)[None] % head.out_features
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            hidden = out.hidden_states[-1] if getattr(out, "hidden_states", None) else None
+            model._postrl_head_is_last = (out.logits is seen.get("output") and torch.equal(out.logits, seen["values"])
+                                          and hidden is not None and torch.equal(hidden, seen["input"]))
+        except (TypeError, ValueError, RuntimeError):  # a forward that takes no output_hidden_states: its own logits
+            model._postrl_head_is_last = False
+        finally:
+            hook.remove()
+    return model._postrl_head_is_last
+
+
 def _forward(model, input_ids, attention_mask, position_ids, **kwargs):
-    """A cached decoding step; returns the logits and the KV cache (`cache` in newer transformers releases)."""
+    """A cached decoding step; returns the logits, the KV cache (`cache` in newer transformers releases) and the hidden
+    states (None unless asked for)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs)
-    return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
+    return out.logits, out["cache"] if "cache" in out else out["past_key_values"], getattr(out, "hidden_states", None)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -134,9 +181,11 @@ class PreallocatedLayer(DynamicLayer):
     position, where transformers' DynamicLayer concatenates, copying the whole cache at every step (a third of a
     SmolLM2 decode step at batch 16 on a CPU); attention reads a view of the positions filled so far."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int, rows: torch.Tensor | None = None):
         super().__init__()
         B, H, L, D = keys.shape
+        if rows is not None:  # row b starts from the keys and values of row rows[b] (a group's shared prompt)
+            B, keys, values = len(rows), keys.index_select(0, rows), values.index_select(0, rows)
         self.key_buffer, self.value_buffer = keys.new_empty(B, H, L + extra, D), values.new_empty(B, H, L + extra, D)
         self.key_buffer[:, :, :L], self.value_buffer[:, :, :L] = keys, values
         self.length, self.device, self.is_initialized = L, keys.device, True
@@ -156,13 +205,16 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def preallocated(cache, extra: int) -> None:
+def preallocated(cache, extra: int, rows: torch.Tensor | None = None) -> None:
     """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
-    place (any other cache is left as it is)."""
+    place, row b holding row rows[b]'s keys and values if rows is given (reorder_cache's index_select, without a second
+    copy). Any other cache is left as it is (then reordered by rows)."""
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
         for i, layer in enumerate(layers):
-            layers[i] = PreallocatedLayer(layer.keys, layer.values, extra)
+            layers[i] = PreallocatedLayer(layer.keys, layer.values, extra, rows)
+    elif rows is not None:
+        cache.reorder_cache(rows)
 
 
 def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -204,6 +256,33 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 LEAVE_BATCH = 0.25  # ended rows leave the decoding batch once they are a quarter of it (each leaving copies the cache)
+DRAW_BYTES = 2**23  # the next token is drawn for rows whose logits fill at most 8 MB at a time (see draw)
+
+
+def draw(scores: torch.Tensor, temperature: float, top_k: int, top_p: float, uniforms: torch.Tensor | None,
+         head=None, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token y ~ softmax(logits / temperature) truncated to top_k / top_p (argmax at temperature 0), by
+    inverse CDF with its uniform (B, 1), and its log-prob: (B, 1) each. scores are the last position's logits (B, V),
+    or its hidden states (B, H) when head = output_layer(model) is given; index (B,) picks each row's scores (a group's
+    rows share their prompt's). A few rows at a time: their logits and the vocabulary-wide passes stay in the CPU's
+    cache and the allocator's reused memory (the whole batch's, 79 MB at 400 rows, is page-faulted in anew at every
+    pass); each row's arithmetic is its own, so the draws are those of the whole batch up to rounding."""
+    B = len(index) if index is not None else len(scores)
+    V = head[0].out_features if head is not None else scores.shape[-1]
+    step = max(1, DRAW_BYTES // (4 * V))
+    tokens, logps = [], []
+    for i in range(0, B, step):
+        x = scores[index[i : i + step]] if index is not None else scores[i : i + step]
+        if head is not None:
+            with torch.autocast(x.device.type, dtype=head[1]) if head[1] else nullcontext():
+                x = head[0](x)
+        logp = torch.log_softmax(truncate(x.float() / (temperature or 1.0), top_k, top_p), dim=-1)
+        if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
+            raise FloatingPointError("the model's logits are not finite while sampling: its weights have diverged")
+        token = logp.argmax(-1, keepdim=True) if temperature == 0 else inverse_cdf(logp, uniforms[i : i + step])
+        tokens.append(token)
+        logps.append(logp.gather(-1, token))
+    return torch.cat(tokens), torch.cat(logps)
 
 
 @torch.no_grad()
@@ -216,38 +295,40 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     (preallocated(); preallocate=False keeps transformers' growing cache). Rows that have ended leave the
     decoding batch once they are at least leave_batch of it (their cache rows dropped in one copy; None: never):
     every row keeps its own uniforms, so the others draw what they would have drawn, up to rounding (a smaller
-    batch multiplies other shapes: conftest.assert_same_samples)."""
+    batch multiplies other shapes: conftest.assert_same_samples). Where the model's forward ends in its output
+    layer (output_layer), a decode step asks it for the hidden states only and draw() applies the layer a few rows
+    at a time, so the (B, V) logits are never held."""
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_kw = "cache" if _accepts(model, "cache") else "past_key_values"  # transformers 5 renamed it
     prefill = {"logits_to_keep": 1} if _accepts(model, "logits_to_keep") else {}
+    head = output_layer(model) if prefill else None
+    hidden_only = {"logits_to_keep": prompt_ids.new_zeros(0), "output_hidden_states": True} if head else {}
     # each distinct prompt is run once (a group repeats its prompt G times); every row then gets its prompt's cache
-    shared = distinct_prompts(prompt_ids, mask)
+    shared, index = distinct_prompts(prompt_ids, mask), None
     if shared is not None:
-        first, rows = shared
-        logits, cache = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
-        logits = logits[rows]
-        cache.reorder_cache(rows)  # index_select along the batch: row b takes the cache of prompt rows[b]
+        first, index = shared  # row b's logits are those of its prompt index[b]
+        logits, cache, _ = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
+        if preallocate:
+            preallocated(cache, max_new_tokens, rows=index)  # row b's buffers start with its prompt's keys and values
+        else:
+            cache.reorder_cache(index)  # index_select along the batch: row b takes the cache of prompt index[b]
     else:
-        logits, cache = _forward(model, prompt_ids, mask, position, **prefill)
-    if preallocate:
-        preallocated(cache, max_new_tokens)
+        logits, cache, _ = _forward(model, prompt_ids, mask, position, **prefill)
+        if preallocate:
+            preallocated(cache, max_new_tokens)
+    scores = logits[:, -1]
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=prompt_ids.device)
     logprobs = torch.zeros(B, max_new_tokens, device=prompt_ids.device)
     rows = torch.arange(B, device=prompt_ids.device)  # the rows in the decoding batch, by their place in the output
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)  # of the rows in the batch: ended
     for t in range(max_new_tokens):
-        logp = torch.log_softmax(truncate(logits[:, -1].float() / (temperature or 1.0), top_k, top_p), dim=-1)
-        if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
-            raise FloatingPointError("the model's logits are not finite while sampling: its weights have diverged")
-        if temperature == 0:
-            token = logp.argmax(-1, keepdim=True)
-        else:
-            token = inverse_cdf(logp, uniforms[rows, t : t + 1])
+        u = uniforms[rows, t : t + 1] if temperature != 0 else None
+        token, logp = draw(scores, temperature, top_k, top_p, u, head if t > 0 else None, index if t == 0 else None)
         live = rows[~done]  # a row that has ended writes nothing more: pad and log-prob 0 stay
-        tokens[live, t], logprobs[live, t] = token[~done, 0], logp.gather(-1, token)[~done, 0]
+        tokens[live, t], logprobs[live, t] = token[~done, 0], logp[~done, 0]
         done |= torch.isin(token[:, 0], eos)
         if done.all() or t == max_new_tokens - 1:
             break
@@ -257,7 +338,8 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
             keep = (~done).nonzero()[:, 0]
             cache.reorder_cache(keep)
             rows, done, token, mask, position = rows[keep], done[keep], token[keep], mask[keep], position[keep]
-        logits, cache = _forward(model, token, mask, position, **{cache_kw: cache})
+        out = _forward(model, token, mask, position, **{cache_kw: cache}, **hidden_only)
+        scores, cache = (out[2][-1][:, -1] if head else out[0][:, -1]), out[1]
     return tokens[:, : t + 1], logprobs[:, : t + 1]
 
 

@@ -133,7 +133,7 @@ def test_smoke_run_writes_metrics_args_and_a_loadable_checkpoint_and_prints_a_su
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(rows[0]) == {"step", "eval/pass@1", "eval/pass@1_se", "eval/pass@k", "eval/greedy", "eval/greedy_se",
-                            "eval/reward_mean", "eval/mean_length"}
+                            "eval/reward_mean", "eval/mean_length", "time/eval_s"}
     for key in ("reward/mean", "reward/std", "accuracy/train", "frac_reward_zero_std", "completions/mean_length",
                 "completions/clipped_frac", "policy/entropy", "policy/approx_kl", "policy/clip_frac_low",
                 "policy/clip_frac_high", "policy/ratio_mean", "policy/ratio_min", "policy/ratio_max",

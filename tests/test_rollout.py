@@ -217,3 +217,68 @@ def test_ended_rows_leave_the_decoding_batch_and_the_others_draw_what_they_would
     assert lengths.min() < lengths.max()  # rows ended at different steps
     assert all(n == 16 for n in rows[None][1:]) and min(rows[0.25][1:]) < 16  # the decoding batch shrank
     assert sum(rows[0.25]) < sum(rows[None])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_sampler_applies_the_output_layer_a_few_rows_at_a_time_and_draws_what_the_whole_logits_draw(
+        tiny_model, tokenizer, monkeypatch, temperature):
+    """Where the forward ends in the output layer, a decode step asks the model for hidden states only and draw()
+    applies the layer DRAW_BYTES of logits at a time (3 rows here): the same tokens as the model's own (B, V) logits up
+    to rounding, and the layer never sees more than 3 rows after the prompts' step."""
+    import common.sampling
+
+    ids, mask = encode_prompts(tokenizer, [p for p in PROMPTS for _ in range(3)], "cpu")
+    keys = [(6, i) for i in range(12)]
+    u = row_uniforms(keys, 12, "cpu")
+    V = tiny_model.config.vocab_size
+    assert common.sampling.output_layer(tiny_model) is not None  # (its one probe forward, before the hook counts)
+    runs, seen = {}, {}
+    for apart in (False, True):
+        if not apart:
+            monkeypatch.setattr(common.sampling, "output_layer", lambda model: None)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(common.sampling, "DRAW_BYTES", 3 * 4 * V)
+        rows = []
+        hook = tiny_model.lm_head.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[:-1].numel()))
+        tokens, logps = sample(tiny_model, ids, mask, 12, temperature, [tokenizer.eos_token_id], tokenizer.pad_token_id, u)
+        hook.remove()
+        cmask, finished = completion_mask(tokens, [tokenizer.eos_token_id])
+        runs[apart], seen[apart] = Rollout(ids, mask, tokens, cmask, logps * cmask, finished, [""] * 12), rows
+    assert_same_samples(tiny_model, runs[False], runs[True], keys, 12, temperature)
+    assert runs[True].completion_mask.sum(-1).max() > 6
+    assert seen[True][0] == seen[False][0] == 4  # the prompts' step: one row per distinct prompt
+    assert max(seen[True][1:]) <= 3 and max(seen[False][1:]) == 12  # (the model's own call on 0 rows: no logits)
+
+
+def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_change(tmp_path, monkeypatch):
+    """evaluate(cache_dir=...) keeps each set's completions under the hash of what they depend on: the same weights,
+    prompts, seed and flags load them (no sampling, the same metrics); changed weights or another seed sample
+    again. Metrics are scored afresh from the completions each time."""
+    import common.rollout
+    from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
+    from common.rollout import evaluate
+    from common.tasks import load_task
+
+    path = resolve_model("embedded", "reverse")
+    tokenizer, model = load_tokenizer(path), load_model(path).eval()
+    task = load_task("reverse", num_test=6)
+    calls = []
+    real = common.rollout.rollout
+    monkeypatch.setattr(common.rollout, "rollout", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def run(seed=0, cache=tmp_path / "cache"):
+        calls.clear()
+        out = evaluate(model, tokenizer, task, 2, 2, 8, 1.0, eos_token_ids(model, tokenizer), "cpu", seed, cache_dir=cache)
+        return {k: v for k, v in out.items() if not k.startswith("time/")}, len(calls)
+
+    plain, sampled = run(cache=None)
+    assert sampled == 2  # the sampled and the greedy pass
+    first, sampled = run()
+    assert sampled == 2 and first == plain and len(list((tmp_path / "cache").iterdir())) == 1
+    again, sampled = run()
+    assert sampled == 0 and again == plain  # loaded, scored again: the same numbers
+    assert run(seed=1)[1] == 2  # other draws
+    with torch.no_grad():
+        next(model.parameters())[0, 0] += 1e-3
+    assert run()[1] == 2  # other weights

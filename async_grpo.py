@@ -570,10 +570,17 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     return loss, stats
 
 
-def behaviour_diagnostics(old_logps, behav_logps) -> dict[str, float]:
-    """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens (log-probs of those tokens)."""
+def behaviour_diagnostics(old_logps, behav_logps, advantages) -> dict[str, float]:
+    """How far the sampler was from the learner: w = pi_old / mu over the batch's tokens (log-probs of those tokens,
+    and each token's advantage). Besides the KL and the ESS, issue 34's early-warning candidates: the upper tail of w,
+    the share of tokens whose probability moved by more than 2x, and the share of positive-advantage tokens above
+    1.2 (the default clip's upper bound: those a clip against mu stops pushing up)."""
     w = torch.exp(old_logps - behav_logps)
-    return {
+    positive = advantages > 1e-3  # (a group of equal rewards can leave ~1e-4 of rounding; unequal ones give > 0.1)
+    return {  # p99: the k-th smallest, k = ceil(0.99 n) (torch.quantile refuses more than 2^24 tokens)
+        "offpolicy/behaviour_ratio_p99": w.kthvalue(math.ceil(0.99 * len(w))).values.item() if len(w) else 1.0,
+        "offpolicy/moved_frac": ((old_logps - behav_logps).abs() > math.log(2)).float().mean().item(),
+        "offpolicy/pos_above_1.2": (w[positive] > 1.2).float().mean().item() if positive.any() else 0.0,
         "offpolicy/behaviour_ratio_mean": w.mean().item(),
         "offpolicy/behaviour_ratio_max": w.max().item(),
         "offpolicy/behaviour_ratio_std": w.std().item() if len(w) > 1 else 0.0,
@@ -649,8 +656,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
         "offpolicy/mask_seq_frac": (sum(s["masked_seqs"] for s in stats).item()
                                     / max(mask.any(-1).sum().item() * args.num_iterations, 1)),
         "offpolicy/cap_frac": sum(s["capped"] for s in stats).item() / token_passes,
-        **behaviour_diagnostics(torch.cat([old_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)]),
-                                torch.cat([behav_logps[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)])),
+        **behaviour_diagnostics(*(torch.cat([x[j][mb.completion_mask.bool()] for j, mb in enumerate(micro)]) for x in (
+            old_logps, behav_logps, [advantages[mb.rows][:, None].expand_as(mb.completion_mask) for mb in micro]))),
     }
     if ref is not None:
         metrics["policy/kl_ref"] = float(kl_ref) / mask.sum().item()

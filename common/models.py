@@ -144,7 +144,7 @@ def autocast_forward(model, dtype: str):
     return model
 
 
-MALLOPT = ((-3, 2**30), (-1, 2**31 - 1), (-2, 2**28))  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_TOP_PAD (malloc.h)
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # malloc.h
 
 
 def keep_freed_memory() -> bool:
@@ -152,7 +152,9 @@ def keep_freed_memory() -> bool:
     allocation. By default a block above its threshold (at most 32 MB) is mapped from the OS and unmapped when freed,
     so every large activation, KV-cache buffer or (rows x vocabulary) tensor of every step is page-faulted in anew,
     zeroed by the kernel page by page: on this 2-core CPU a SmolLM2 training step took 30-39 s, with this 24-26 s.
-    Allocation only: no number changes. True where it applied (glibc on Linux)."""
+    Allocation only: no number changes. The price: the process keeps its peak memory (plus up to 256 MB) once reached,
+    instead of returning freed blocks to the OS. A glibc that refuses a 1 GB threshold (older releases cap it at
+    32 MB) gets 32 MB. True where it applied (glibc on Linux)."""
     import ctypes
     import sys
 
@@ -162,7 +164,8 @@ def keep_freed_memory() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # another C library (musl)
         return False
-    return all(libc.mallopt(option, value) == 1 for option, value in MALLOPT)
+    kept = libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1 and libc.mallopt(M_TOP_PAD, 2**28) == 1
+    return kept and (libc.mallopt(M_MMAP_THRESHOLD, 2**30) == 1 or libc.mallopt(M_MMAP_THRESHOLD, 2**25) == 1)
 
 
 def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: bool = False, pure: bool = False):

@@ -436,22 +436,25 @@ def evaluate(model, tokenizer, task, n: int, k: int, max_new_tokens: int, temper
     (eval/<name>/...). Prompts are sharded over processes. With cache_dir, completions are reused from there when
     everything they are a function of is the same (eval_rollouts); time/eval_s is the wall time of it all."""
     t0 = time.perf_counter()
+    digest = model_digest(model, tokenizer) if cache_dir else None
+    memo = (cache_dir, digest) if digest else None
     sets = {"eval/": task.test, **{f"eval/{name}/": data for name, data in task.extra_tests.items()}}
     metrics = {}
     for prefix, data in sets.items():
         metrics.update(evaluate_set(model, tokenizer, task, data, prefix, n, k, max_new_tokens, temperature, eos_ids,
-                                    device, seed, rank, world, batch_size, top_k, top_p, cache_dir))
+                                    device, seed, rank, world, batch_size, top_k, top_p, memo))
     return {**metrics, "time/eval_s": time.perf_counter() - t0}
 
 
 def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_tokens: int, temperature: float,
                   eos_ids: list[int], device, seed: int, batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0,
-                  cache_dir: str | None = None):
+                  memo: tuple[str, str] | None = None):
     """The evaluation's completions of data's rows idx, scored: n samples each with keys (seed, EVAL_KEY, row,
     sample), the same draws at every evaluation and for every model, and one greedy completion each. Returns the
     sampled Rollout (row-major: a prompt's n samples together), their rewards and successes, and the greedy
-    completions' successes. With cache_dir the two Rollouts are memoised there (memoised: every arm of a study
-    evaluates its base model once); they are scored again each time."""
+    completions' successes. With memo = (directory, model_digest) the two Rollouts of a single-turn task are kept in
+    that directory under the hash of the digest and this call's arguments, and reused (every arm of a study evaluates
+    its base model once); they are scored again each time."""
     shard = data.select(idx)
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
     repeated = [a for a in answers for _ in range(n)]
@@ -464,45 +467,54 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
                          task.envs(answers), batch_size)
         return sampled, greedy
 
-    flags = (prompts, answers, keys, max_new_tokens, temperature, eos_ids, str(device), batch_size, top_k, top_p,
-             type((task.envs(answers[:1]) or [None])[0]).__name__)
-    key = memo_key(model, tokenizer, flags) if cache_dir else None
-    sampled, greedy = memoised(Path(cache_dir) / f"{key}.pt", sample_both, device) if key else sample_both()
+    flags = (prompts, answers, keys, max_new_tokens, temperature, eos_ids, str(device), batch_size, top_k, top_p)
+    if memo is None or task.envs(answers[:1]) is not None:  # multi-turn: the environments' rewards ride along, not kept
+        sampled, greedy = sample_both()
+    else:
+        key = hashlib.sha256((memo[1] + repr(flags)).encode()).hexdigest()
+        sampled, greedy = memoised(Path(memo[0]) / f"{key}.pt", sample_both, device)
     rewards, successes = task.score(sampled, repeated, shard)
     _, greedy_successes = task.score(greedy, answers, shard)
     return sampled, rewards, successes, greedy_successes
 
 
-SAMPLER_CODE = ("sampling.py", "multiturn.py")  # the code that turns weights, prompts and uniforms into tokens
+SAMPLER_CODE = ("sampling.py", "multiturn.py", "rollout.py")  # the code that turns weights, prompts, uniforms into tokens
 
 
-def memo_key(model, tokenizer, flags) -> str | None:
-    """sha256 of everything a rollout is a function of: every weight and buffer of the model (name, dtype, shape,
-    bytes), its class and config, the tokenizer (vocabulary, chat template), the rollout's own arguments (flags), the
-    sampler's source code and the torch and transformers releases. None for sharded weights (no whole copy to hash)."""
+def model_digest(model, tokenizer) -> str | None:
+    """sha256 of everything but its own arguments that a rollout of this model is a function of: every weight and
+    buffer (name, dtype, shape, bytes), the model's class, config and autocast dtype (--dtype bfloat16 keeps float32
+    weights), the tokenizer (its whole definition where it has one, else its vocabulary; pad id, chat template), the
+    sampler's source code and the torch, transformers and numpy releases. None for sharded weights (FSDP: no whole
+    copy to hash)."""
     import transformers
 
     inner = base_model(model)
     h = hashlib.sha256()
     for name, value in inner.state_dict().items():
-        if type(value) is not torch.Tensor:  # a DTensor shard (FSDP)
+        if type(value) is not torch.Tensor:  # a DTensor shard
             return None
         h.update(f"{name} {value.dtype} {tuple(value.shape)}".encode())
         h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     here = Path(__file__).parent
-    h.update(repr((type(inner).__name__, inner.config.to_json_string(), sorted(tokenizer.get_vocab().items()),
-                   getattr(tokenizer, "chat_template", None), flags, torch.__version__, transformers.__version__,
-                   [(here / f).read_text() for f in SAMPLER_CODE])).encode())
+    h.update(repr((type(inner).__name__, inner.config.to_json_string(), str(getattr(inner, "autocast_dtype", None)),
+                   backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+                   tokenizer.pad_token_id, getattr(tokenizer, "chat_template", None), torch.__version__,
+                   transformers.__version__, np.__version__, [(here / f).read_text() for f in SAMPLER_CODE])).encode())
     return h.hexdigest()
 
 
 def memoised(path: Path, fn, device) -> tuple:
     """fn()'s Rollouts, loaded onto device from path if an earlier call saved them there, else computed and saved
-    (written to a temporary file and renamed: a crash leaves no half-written entry)."""
-    if path.is_file():
-        saved = torch.load(path, weights_only=True)
+    (written to a temporary file and renamed: a crash leaves no half-written entry; one that cannot be read is
+    computed again and replaced)."""
+    try:
+        saved = torch.load(path, weights_only=True, map_location="cpu")
         return tuple(Rollout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in r.items()})
                      for r in saved)
+    except Exception:  # not there, or unreadable
+        pass
     rollouts = fn()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -513,7 +525,7 @@ def memoised(path: Path, fn, device) -> tuple:
 
 def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_new_tokens: int, temperature: float,
                  eos_ids: list[int], device, seed: int, rank: int = 0, world: int = 1, batch_size: int | None = None,
-                 top_k: int = 0, top_p: float = 1.0, cache_dir: str | None = None) -> dict[str, float]:
+                 top_k: int = 0, top_p: float = 1.0, memo: tuple[str, str] | None = None) -> dict[str, float]:
     """evaluate() on one held-out Dataset, its metrics named prefix + name. pass@1_se and greedy_se are the standard
     errors of the mean over prompts (pass@1: the spread of the per-prompt pass@1 over sqrt(prompts))."""
     from accelerate.utils import gather_object
@@ -521,7 +533,7 @@ def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_
     idx = list(range(rank, len(data), world))
     sampled, rewards, successes, greedy_successes = eval_rollouts(model, tokenizer, task, data, idx, n, max_new_tokens,
                                                                   temperature, eos_ids, device, seed, batch_size, top_k, top_p,
-                                                                  cache_dir)
+                                                                  memo)
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote

@@ -185,6 +185,7 @@ class PreallocatedLayer(DynamicLayer):
         super().__init__()
         B, H, L, D = keys.shape
         if rows is not None:  # row b starts from the keys and values of row rows[b] (a group's shared prompt)
+            rows = rows.to(keys.device)
             B, keys, values = len(rows), keys.index_select(0, rows), values.index_select(0, rows)
         self.key_buffer, self.value_buffer = keys.new_empty(B, H, L + extra, D), values.new_empty(B, H, L + extra, D)
         self.key_buffer[:, :, :L], self.value_buffer[:, :, :L] = keys, values
@@ -207,8 +208,8 @@ class PreallocatedLayer(DynamicLayer):
 
 def preallocated(cache, extra: int, rows: torch.Tensor | None = None) -> None:
     """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
-    place, row b holding row rows[b]'s keys and values if rows is given (reorder_cache's index_select, without a second
-    copy). Any other cache is left as it is (then reordered by rows)."""
+    place, row b holding row rows[b]'s keys and values if rows is given (what reorder_cache would do, into the new
+    buffers). Any other cache is left as it is (then reordered by rows)."""
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
         for i, layer in enumerate(layers):

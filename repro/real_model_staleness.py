@@ -30,6 +30,7 @@ study. Writes repro/results/<name>.{md,png}.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
@@ -67,16 +68,25 @@ class Args:
 
 
 WARNING = [("offpolicy/behaviour_kl", "behaviour KL"), ("offpolicy/ess", "ESS"), ("policy/clip_frac", "clipped"),
-           ("policy/entropy", "entropy"), ("policy/grad_norm", "grad norm")]
+           ("policy/entropy", "entropy"), ("policy/grad_norm", "grad norm"),
+           ("offpolicy/behaviour_ratio_p99", "w p99"), ("offpolicy/moved_frac", "moved > 2x"),
+           ("offpolicy/pos_above_1.2", "A > 0 with w > 1.2")]
+ON_POLICY = {"offpolicy/behaviour_kl": 0.0, "offpolicy/ess": 1.0, "offpolicy/behaviour_ratio_p99": 1.0,
+             "offpolicy/moved_frac": 0.0, "offpolicy/pos_above_1.2": 0.0}  # mu = pi_old: w = 1
 
 
-def diagnostic(rows: list[dict], key: str) -> float:
-    """Mean over rows of a diagnostic; K = 0 logs no behaviour metrics (mu = pi_old: KL 0, ESS 1)."""
+def diagnostic(rows: list[dict], key: str) -> float | None:
+    """Mean over rows of a diagnostic; K = 0 logs no behaviour metrics (w = 1: ON_POLICY); None where a stale run
+    did not log it (the three last candidates are logged since issue 34)."""
     if key == "policy/clip_frac":
         return over_steps(rows, "policy/clip_frac_low") + over_steps(rows, "policy/clip_frac_high")
     if not any(key in r for r in rows):
-        return {"offpolicy/behaviour_kl": 0.0, "offpolicy/ess": 1.0}[key]
+        return None if any("offpolicy/behaviour_kl" in r for r in rows) else ON_POLICY[key]
     return over_steps(rows, key)
+
+
+def cell(early: float | None, late: float | None) -> str:
+    return "–" if early is None else f"{early:.3g} -> {late:.3g}"
 
 
 def compute_seconds(rows: list[dict], up_to: int | None = None) -> float:
@@ -119,10 +129,12 @@ def main(args: Args) -> None:
         check_k0(base, args.output_dir)
     plan = [(arm, seed) for arm in args.arms for seed in (args.seeds if arm != "threaded" else [0])]
 
+    cache = ["--eval-cache", str(Path(args.output_dir).parent / "eval_cache")]  # the base model evaluated once a seed
+
     def job(arm: str, seed: int) -> Job:
         if arm == "K0":  # grpo.py: the recipe's own run, in the recipe's directory (skipped when it has finished)
-            return Job(f"{args.recipe}_s{seed}", "grpo.py", [*base, "--seed", str(seed)])
-        return Job(f"{arm}_s{seed}", ARMS[arm][0], [*base, *ARMS[arm][1], "--seed", str(seed)])
+            return Job(f"{args.recipe}_s{seed}", "grpo.py", [*base, *cache, "--seed", str(seed)])
+        return Job(f"{arm}_s{seed}", ARMS[arm][0], [*base, *ARMS[arm][1], *cache, "--seed", str(seed)])
 
     jobs = {(arm, seed): job(arm, seed) for arm, seed in plan}
     done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir),
@@ -161,8 +173,8 @@ def main(args: Args) -> None:
     for (arm, seed), run in runs.items():
         trained = [r for r in run["rows"] if "time/train_s" in r]
         early, late = [r for r in trained if 2 <= r["step"] <= 10], trained[-10:]
-        lines.append(f"| {arm} | {seed} | " + " | ".join(
-            f"{diagnostic(early, key):.3g} -> {diagnostic(late, key):.3g}" for key, _ in WARNING) + " |")
+        lines.append(f"| {arm} | {seed} | " + " | ".join(cell(diagnostic(early, key), diagnostic(late, key))
+                                                         for key, _ in WARNING) + " |")
     finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}
     lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
         f"{arm} {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])}" for arm, rows in finals.items() if rows)]

@@ -48,10 +48,25 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, di
             peak = max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))
             done.write_text(json.dumps({**before, "wall_s": wall, "peak_rss_mb": peak}) + "\n")
             print(f"  {job.name}: {wall:.0f}s", flush=True)
+        keep_log(job, run_dir, output_dir)  # every real-model run read, whether run now or before
         return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}
 
     with ThreadPoolExecutor(workers) as pool:
         return dict(pool.map(one, jobs))
+
+
+LOGS = ROOT / "repro" / "results" / "logs"
+
+
+def keep_log(job: Job, run_dir: Path, output_dir: str) -> None:
+    """A real-model run's per-step metrics and wall time, copied to repro/results/logs/<study>/<run>.jsonl (in git:
+    runs/ is not, and a later question, such as which diagnostic warned first, is asked of every run's log)."""
+    model = job.flags[job.flags.index("--model") + 1] if "--model" in job.flags else "embedded"
+    if model == "embedded":
+        return
+    out = LOGS / Path(output_dir).name / f"{job.name}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text((run_dir / "metrics.jsonl").read_text() + (run_dir / "done.json").read_text())
 
 
 def shorter(run_dir: Path, job: Job) -> bool:

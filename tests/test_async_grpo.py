@@ -367,3 +367,25 @@ def test_ctrl_c_stops_both_threads_checkpoints_and_exits_130(tmp_path):
 def test_more_than_one_process_is_refused_in_one_line(tmp_path):
     out = launch_two_processes("async_grpo.py", "--steps", "1", "--device", "cpu", "--output-dir", str(tmp_path))
     assert out.returncode != 0 and "async_grpo.py: error: async_grpo.py runs as one process" in out.stderr
+
+
+def test_behaviour_diagnostics_measure_the_tail_of_w_the_tokens_that_moved_and_the_positive_tokens_above_the_clip():
+    """w = pi_old / mu per token, 200 tokens: 150 unmoved (w = 1), and 8 at 0.4, 10 each at 1.15, 1.25, 1.9, 7 at 2.1,
+    3 at 2.5, 2 at 3.0. The 99th percentile is the 198th smallest, 2.5 (the 95th: 2.1, the largest: 3.0); 20 tokens
+    moved by more than 2x (0.4, 2.1, 2.5, 3.0; not 1.9); of the 50 positive-advantage tokens (30 unmoved, the ten at
+    1.15 and the ten at 1.25), 10 lie above 1.2."""
+    values = [(1.0, 150), (0.4, 8), (1.15, 10), (1.25, 10), (1.9, 10), (2.1, 7), (2.5, 3), (3.0, 2)]
+    w = torch.tensor([v for v, n in values for _ in range(n)])
+    positive = (w == 1.15) | (w == 1.25) | ((w == 1.0) & (torch.arange(200) < 30))
+    advantages = torch.where(positive, 0.8, -0.5)
+    advantages[180:] = 1e-4  # rounding of a group of equal rewards: not positive
+    behav = torch.linspace(-3.0, -0.5, 200)
+    d = async_grpo.behaviour_diagnostics(behav + w.log(), behav, advantages)
+    assert d["offpolicy/behaviour_ratio_p99"] == pytest.approx(2.5, rel=1e-5)
+    assert d["offpolicy/moved_frac"] == pytest.approx(20 / 200)
+    assert d["offpolicy/pos_above_1.2"] == pytest.approx(10 / 50)
+    assert d["offpolicy/behaviour_kl"] == pytest.approx((w - 1 - w.log()).mean().item(), rel=1e-5)  # k3, samples of mu
+    assert d["offpolicy/ess"] == pytest.approx((w.sum() ** 2 / (200 * (w**2).sum())).item(), rel=1e-5)
+    on_policy = async_grpo.behaviour_diagnostics(behav, behav, advantages)
+    assert (on_policy["offpolicy/moved_frac"], on_policy["offpolicy/pos_above_1.2"]) == (0.0, 0.0)
+    assert on_policy["offpolicy/behaviour_ratio_p99"] == pytest.approx(1.0)

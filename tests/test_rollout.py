@@ -253,23 +253,24 @@ def test_the_sampler_applies_the_output_layer_a_few_rows_at_a_time_and_draws_wha
 
 def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_change(tmp_path, monkeypatch):
     """evaluate(cache_dir=...) keeps each set's completions under the hash of what they depend on: the same weights,
-    prompts, seed and flags load them (no sampling, the same metrics); changed weights or another seed sample
-    again. Metrics are scored afresh from the completions each time."""
+    prompts, seed and flags load them (no sampling, the same metrics); another seed, top-k, set of prompts, autocast
+    dtype or changed weights sample again. Metrics are scored afresh from the completions each time; a multi-turn
+    task (its environments' rewards ride in the rollout) is never cached."""
     import common.rollout
-    from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
+    from common.models import autocast_forward, eos_token_ids, load_model, load_tokenizer, resolve_model
     from common.rollout import evaluate
     from common.tasks import load_task
 
     path = resolve_model("embedded", "reverse")
     tokenizer, model = load_tokenizer(path), load_model(path).eval()
-    task = load_task("reverse", num_test=6)
     calls = []
     real = common.rollout.rollout
     monkeypatch.setattr(common.rollout, "rollout", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
 
-    def run(seed=0, cache=tmp_path / "cache"):
+    def run(seed=0, cache=tmp_path / "cache", top_k=0, task=load_task("reverse", num_test=6), policy=model):
         calls.clear()
-        out = evaluate(model, tokenizer, task, 2, 2, 8, 1.0, eos_token_ids(model, tokenizer), "cpu", seed, cache_dir=cache)
+        out = evaluate(policy, tokenizer, task, 2, 2, 8, 1.0, eos_token_ids(model, tokenizer), "cpu", seed, top_k=top_k,
+                       cache_dir=cache)
         return {k: v for k, v in out.items() if not k.startswith("time/")}, len(calls)
 
     plain, sampled = run(cache=None)
@@ -279,6 +280,11 @@ def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_chang
     again, sampled = run()
     assert sampled == 0 and again == plain  # loaded, scored again: the same numbers
     assert run(seed=1)[1] == 2  # other draws
+    assert run(top_k=5)[1] == 2  # another sampling flag
+    assert run(task=load_task("reverse", num_test=5))[1] == 2  # other prompts
+    chain = load_task("chain-2", num_test=3)
+    assert run(task=chain)[1] == run(task=chain)[1] > 0  # multi-turn: sampled every time
+    assert run(policy=autocast_forward(load_model(path), "bfloat16"))[1] == 2  # float32 weights, bf16 forward
     with torch.no_grad():
         next(model.parameters())[0, 0] += 1e-3
     assert run()[1] == 2  # other weights

@@ -32,6 +32,9 @@ DIAGNOSTICS = [
     ("offpolicy/behaviour_ratio_max", +1),
     ("offpolicy/behaviour_ratio_std", +1),
     ("offpolicy/ess", -1),
+    ("offpolicy/behaviour_ratio_p99", +1),  # issue 34's candidates: the tail of w,
+    ("offpolicy/moved_frac", +1),  # the tokens whose probability moved by more than 2x,
+    ("offpolicy/pos_above_1.2", +1),  # the positive-advantage tokens a clip against mu would stop
     ("policy/clip_frac", +1),  # low + high
     ("policy/entropy", +1),
     ("policy/grad_norm", +1),

@@ -6,10 +6,11 @@ the figures of both.
 
 The staleness study's recipe run (repro/real_model_staleness.py's K0 arm: grpo.py on SmolLM2-135M-Instruct, float32,
 4 prompts x 8 completions, 128 new tokens, T 0.7, shaped reward, lr 1e-5; held-out and transfer evaluation of 100
-problems x 4 samples and a greedy pass at steps 0, 20 and 40), one arm after the other in --arms order: `before`
-runs the --baseline checkout's grpo.py, `after` this checkout's with --eval-cache (cold: it fills the cache). Then
-`hit`: this checkout's grpo.py started again with the same flags, stopped once its step-0 evaluation is logged: the
-cost of a cached base-model evaluation, which every arm of a study but the first pays instead of the evaluation.
+problems x 4 samples and a greedy pass at steps 0, 20 and 40), one arm after the other in --arms order: `cold` starts
+this checkout's grpo.py with --eval-cache on an empty cache and stops it once its step-0 evaluation is logged (the
+base model's evaluation, computed and kept); `before` runs the --baseline checkout's grpo.py; `after` this
+checkout's, with the cache `cold` filled: the run of every arm of a study but the first, which finds the base
+model's evaluation there. The first arm of a study pays `cold`'s evaluation instead of `after`'s step-0 load.
 Each arm is its own process (os.wait4: its peak RSS); an arm whose run finished is read, not run again.
 
 Phases: sampling and training are the logged time/rollout_s and time/train_s summed over steps; evaluation and
@@ -46,7 +47,7 @@ from real_model_steps import Floors, matmul_rate, read_bandwidth  # noqa: E402
 class Args:
     baseline: str | None = None
     """a checkout of the code before (its grpo.py runs the `before` arm); needed unless that run has finished"""
-    arms: list[str] = field(default_factory=lambda: ["before", "after", "hit"])
+    arms: list[str] = field(default_factory=lambda: ["cold", "before", "after"])
     seed: int = 2
     steps: int = 40
     eval_every: int = 20
@@ -69,16 +70,18 @@ def run(arm: str, args: Args) -> dict:
     if arm == "before" and args.baseline is None:
         raise SystemExit("--baseline: a checkout of the code before is needed for the `before` arm")
     cwd = Path(args.baseline).resolve() if arm == "before" else ROOT
+    if arm == "cold" and (out / "eval_cache").exists():
+        raise SystemExit(f"`cold` needs an empty cache: remove {out / 'eval_cache'} first")
     if arm != "before":
         flags += ["--eval-cache", str(out / "eval_cache")]
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "grpo.py", *flags], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while arm == "hit" and proc.poll() is None and not read(run_dir):  # stopped once step 0 is logged
+    while arm == "cold" and proc.poll() is None and not read(run_dir):  # stopped once step 0 is logged
         time.sleep(1)
-    if arm == "hit" and proc.poll() is None:
+    if arm == "cold" and proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0 and arm != "hit":
+    if status != 0 and arm != "cold":
         raise RuntimeError(f"{arm}: grpo.py {' '.join(flags)} exited with status {status}")
     result = {"wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024}
     done.write_text(json.dumps(result) + "\n")
@@ -139,14 +142,14 @@ def main(args: Args) -> None:
                      f"{logged:.0f} | {r['peak_rss_mb']:.0f} | {f['sampling']:.0f} | {f['training']:.0f} | {f['evaluation']:.0f} |")
     if {"before", "after"} <= runs.keys():
         before, after = runs["before"], runs["after"]
-        step0 = next(x for x in after["rows"] if x["step"] == 0)["time/eval_s"]
-        lines += ["", f"after / before: {after['wall_s'] / before['wall_s']:.2f}x"]
-        if "hit" in runs and runs["hit"]["rows"]:
-            hit = runs["hit"]["rows"][0]["time/eval_s"]
-            study = after["wall_s"] - step0 + hit
-            lines[-1] += (f"; in a study, every arm but the first finds the base model's evaluation in the cache: "
-                          f"{step0:.0f} s of evaluation become {hit:.1f} s (`hit`, measured), {study:.0f} s in all, "
-                          f"{study / before['wall_s']:.2f}x")
+        hit = next(x for x in after["rows"] if x["step"] == 0)["time/eval_s"]
+        lines += ["", f"after / before: {after['wall_s'] / before['wall_s']:.2f}x (every arm of a study but the first: "
+                  f"the base model's evaluation loaded from the cache in {hit:.1f} s)"]
+        if "cold" in runs and runs["cold"]["rows"]:
+            cold = runs["cold"]["rows"][0]["time/eval_s"]
+            first = after["wall_s"] - hit + cold
+            lines[-1] += (f"; the first arm computes it ({cold:.0f} s, `cold`): {first:.0f} s in all, "
+                          f"{first / before['wall_s']:.2f}x")
         lines += ["", "The figures (before / after):", "", "| step | held-out pass@1 | transfer pass@1 | greedy | transfer greedy "
                   "| format rate | mean length |", "|---" * 7 + "|"]
         for a in (x for x in before["rows"] if "eval/pass@1" in x):

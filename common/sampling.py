@@ -265,9 +265,9 @@ def draw(scores: torch.Tensor, temperature: float, top_k: int, top_p: float, uni
     """Each row's next token y ~ softmax(logits / temperature) truncated to top_k / top_p (argmax at temperature 0), by
     inverse CDF with its uniform (B, 1), and its log-prob: (B, 1) each. scores are the last position's logits (B, V),
     or its hidden states (B, H) when head = output_layer(model) is given; index (B,) picks each row's scores (a group's
-    rows share their prompt's). A few rows at a time: their logits and the vocabulary-wide passes stay in the CPU's
-    cache and the allocator's reused memory (the whole batch's, 79 MB at 400 rows, is page-faulted in anew at every
-    pass); each row's arithmetic is its own, so the draws are those of the whole batch up to rounding."""
+    rows share their prompt's). A few rows at a time: the (B, V) logits (79 MB at 400 rows) are never held, and the
+    vocabulary-wide passes run on chunks that stay in the CPU's cache; each row's arithmetic is its own, so the draws
+    are those of the whole batch up to rounding."""
     B = len(index) if index is not None else len(scores)
     V = head[0].out_features if head is not None else scores.shape[-1]
     step = max(1, DRAW_BYTES // (4 * V))

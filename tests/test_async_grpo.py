@@ -374,9 +374,10 @@ def test_behaviour_diagnostics_measure_the_tail_of_w_the_tokens_that_moved_and_t
     3 at 2.5, 2 at 3.0. The 99th percentile is the 198th smallest, 2.5 (the 95th: 2.1, the largest: 3.0); 20 tokens
     moved by more than 2x (0.4, 2.1, 2.5, 3.0; not 1.9); of the 50 positive-advantage tokens (30 unmoved, the ten at
     1.15 and the ten at 1.25), 10 lie above 1.2."""
-    values = [(1.0, 150), (0.4, 8), (1.15, 10), (1.25, 10), (1.9, 10), (2.1, 7), (2.5, 3), (3.0, 2)]
-    w = torch.tensor([v for v, n in values for _ in range(n)])
-    positive = (w == 1.15) | (w == 1.25) | ((w == 1.0) & (torch.arange(200) < 30))
+    values = [(1.0, 30, True), (1.0, 120, False), (0.4, 8, False), (1.15, 10, True), (1.25, 10, True), (1.9, 10, False),
+              (2.1, 7, False), (2.5, 3, False), (3.0, 2, False)]  # (w, tokens, positive advantage)
+    w = torch.tensor([v for v, n, _ in values for _ in range(n)])
+    positive = torch.tensor([p for _, n, p in values for _ in range(n)])
     advantages = torch.where(positive, 0.8, -0.5)
     advantages[180:] = 1e-4  # rounding of a group of equal rewards: not positive
     behav = torch.linspace(-3.0, -0.5, 200)

@@ -53,6 +53,9 @@ class Args:
     eval_every: int = 20
     eval_prompts: int = 100
     output_dir: str = "runs/bench_study_run"
+    reference_cache: str | None = None
+    """an evaluation cache of the same run made by other code (the same weights, prompts and draws): the step-0
+    completions of both are compared token by token (how many draws flipped)"""
 
 
 def read(run_dir: Path) -> list[dict]:
@@ -105,6 +108,27 @@ def floors(rows: list[dict], floor: Floors, prompt_len: int, eval_prompts: int, 
     return {"sampling": sampling, "training": train, "evaluation": evaluation}
 
 
+def flipped(reference: Path, cache: Path) -> str:
+    """Of the base model's evaluation completions kept in two caches (each file: one set's sampled and greedy
+    Rollouts), paired by their prompts: how many differ in any token, sampled and greedy."""
+    def entries(folder: Path) -> list:
+        return [torch.load(f, weights_only=True) for f in sorted(folder.glob("*.pt"))]
+
+    counts = {"sampled": [0, 0], "greedy": [0, 0]}
+    for a in entries(reference):
+        for b in entries(cache):
+            if a[0]["prompt_ids"].shape == b[0]["prompt_ids"].shape and torch.equal(a[0]["prompt_ids"], b[0]["prompt_ids"]):
+                for kind, x, y in (("sampled", a[0], b[0]), ("greedy", a[1], b[1])):
+                    n = max(x["completion_ids"].shape[1], y["completion_ids"].shape[1])
+                    pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=-1)  # noqa: E731
+                    differ = (pad(x["completion_ids"] * x["completion_mask"]) != pad(y["completion_ids"] * y["completion_mask"])).any(-1)
+                    counts[kind][0] += int(differ.sum())
+                    counts[kind][1] += len(differ)
+    return (f"Draws flipped: of the base model's evaluation completions (step 0, both sets), {counts['sampled'][0]} of "
+            f"{counts['sampled'][1]} sampled and {counts['greedy'][0]} of {counts['greedy'][1]} greedy differ in some "
+            f"token between {reference.relative_to(ROOT)} and {cache.relative_to(ROOT)}")
+
+
 def main(args: Args) -> None:
     runs = {arm: run(arm, args) for arm in args.arms}
     from common.models import load_tokenizer, resolve_model
@@ -124,7 +148,10 @@ def main(args: Args) -> None:
     floor = Floors(config, rate, bandwidth, 4)
 
     lines = [f"`python benchmarks/study_run.py --baseline /tmp/before --seed {args.seed} --steps {args.steps} --eval-every "
-             f"{args.eval_every} --eval-prompts {args.eval_prompts}`: SmolLM2-135M-Instruct, float32, 2 threads; "
+             f"{args.eval_every} --eval-prompts {args.eval_prompts}"
+             + (f" --output-dir {args.output_dir}" if args.output_dir != Args.output_dir else "")
+             + (f" --reference-cache {args.reference_cache}" if args.reference_cache else "")
+             + f"`: SmolLM2-135M-Instruct, float32, 2 threads; "
              f"matrix products at {rate / 1e9:.0f} GFLOP/s, reads at {bandwidth / 1e9:.1f} GB/s (measured after the runs); "
              f"prompts of {prompt_len} tokens on average", "",
              "| arm | wall (s) | sampling (s) | training (s) | evaluation and start-up (s) | evaluations logged (s) | "
@@ -163,6 +190,8 @@ def main(args: Args) -> None:
         lines += ["", "Training batches: " + (f"the logged rewards, lengths and losses are identical up to step {differ[0] - 1}"
                                                f" and differ from step {differ[0]} on" if differ else
                                                f"every step's logged reward, length and loss identical in both runs")]
+    if args.reference_cache:
+        lines += ["", flipped(ROOT / args.reference_cache, ROOT / args.output_dir / "eval_cache")]
     out = ROOT / "benchmarks" / "results" / "study_run.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

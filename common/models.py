@@ -144,6 +144,81 @@ def autocast_forward(model, dtype: str):
     return model
 
 
+MATMUL_ENV = "POSTRL_CPU_MATMUL"  # "onednn" (the default where torch has it, on x86-64) or "torch"
+ONEDNN_MIN_PARAMETERS = 10**7  # the embedded models (0.14M parameters): no faster through oneDNN, measured
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b by oneDNN's float32 GEMM (torch's mkldnn linear, the kernel its CPU inference path uses)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b and its gradients, dL/dx = g W and dL/dW = g^T x (dL/db = sum of g), each one float32 GEMM by
+    oneDNN: the same arithmetic as torch.nn.functional.linear, summed in another order (equal up to rounding)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        g = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:  # transposed views: oneDNN reads them in place (a copy first was 2-14x slower)
+            grad_x = _onednn(grad, weight.t())
+        if ctx.needs_input_grad[1]:
+            grad_weight = _onednn(g.t(), x.reshape(-1, x.shape[-1]).t())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        return grad_x, grad_weight, grad_bias
+
+
+def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through oneDNN where it computes the same thing: float32 input and weights on a CPU, no
+    autocast (which would run the product in bf16), plain tensors (not FSDP's sharded ones), a non-empty batch; any
+    other call goes to torch's own linear."""
+    w = self.weight
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or x.numel() == 0
+            or torch.is_autocast_enabled("cpu") or type(w) not in (torch.Tensor, torch.nn.Parameter)):
+        return torch.nn.functional.linear(x, w, self.bias)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+        return OneDNNLinear.apply(x, w, self.bias)
+    return _onednn(x, w, self.bias)
+
+
+def onednn_linears(model, on: bool | None = None) -> int:
+    """Run the float32 matrix products of model's linear layers (type nn.Linear: projections, MLPs, the output layer;
+    a LoRA layer's frozen base) through oneDNN's GEMM instead of torch's default CPU BLAS (MKL), patched on each layer
+    as autocast_forward patches the model: on this repository's AMD CPU, MKL runs its fp32 GEMM at 185-200 GFLOP/s and
+    oneDNN at 390-460 on the same shapes (benchmarks/README.md "The matrix products' kernel"). The same products,
+    summed in another order: equal up to float32 rounding, so a draw within ~1e-6 of a CDF boundary can flip
+    (tests/test_architectures.py checks every family against its own forward with torch's products). On by default
+    where torch has oneDNN on x86-64, for a model of at least ONEDNN_MIN_PARAMETERS (the embedded job's tiny products
+    are overhead, not arithmetic: a 200-step grpo.py run was no faster, so its figures stay those of torch's products);
+    os.environ[MATMUL_ENV] = "torch" turns it off. on=True / False: on / torch's own linear, whatever the size.
+    A layer on another device or dtype, under autocast, or sharded, falls through to torch's linear at each call.
+    Returns how many layers it changed."""
+    import platform
+
+    if on is None:
+        choice = os.environ.get(MATMUL_ENV, "onednn")
+        if choice not in ("onednn", "torch"):
+            raise ConfigError(f"{MATMUL_ENV}={choice!r}: choose onednn or torch")
+        on = (choice == "onednn" and torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64")
+              and sum(p.numel() for p in model.parameters()) >= ONEDNN_MIN_PARAMETERS)
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for layer in layers:
+        if on:
+            layer.forward = MethodType(_onednn_forward, layer)
+        else:
+            layer.__dict__.pop("forward", None)
+    return len(layers) if on else 0
+
+
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # malloc.h
 
 
@@ -175,6 +250,7 @@ def load_model(name_or_path: str, dtype: str = "float32", trust_remote_code: boo
     weights = DTYPES[dtype] if pure else torch.float32
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=weights, trust_remote_code=trust_remote_code)
     model = autocast_forward(model, dtype)
+    onednn_linears(model)
     output_layer(model)  # whether the output layer can be applied apart (head_is_last), found once, at load
     return model
 

@@ -484,7 +484,7 @@ SAMPLER_CODE = ("sampling.py", "multiturn.py", "rollout.py")  # the code that tu
 def model_digest(model, tokenizer) -> str | None:
     """sha256 of everything but its own arguments that a rollout of this model is a function of: every weight and
     buffer (name, dtype, shape, bytes), the model's class, config and autocast dtype (--dtype bfloat16 keeps float32
-    weights), the tokenizer (its whole definition where it has one, else its vocabulary; pad id, chat template), the
+    weights), which forward its linear layers run (torch's or oneDNN's products: common.models.onednn_linears), the tokenizer (its whole definition where it has one, else its vocabulary; pad id, chat template), the
     sampler's source code and the torch, transformers and numpy releases. None for sharded weights (FSDP: no whole
     copy to hash)."""
     import transformers
@@ -500,6 +500,7 @@ def model_digest(model, tokenizer) -> str | None:
     here = Path(__file__).parent
     h.update(repr((type(inner).__name__, inner.config.to_json_string(), str(getattr(inner, "autocast_dtype", None)),
                    backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+                   sorted({m.forward.__name__ for m in inner.modules() if type(m) is torch.nn.Linear}),  # the kernel
                    tokenizer.pad_token_id, getattr(tokenizer, "chat_template", None), torch.__version__,
                    transformers.__version__, np.__version__, [(here / f).read_text() for f in SAMPLER_CODE])).encode())
     return h.hexdigest()

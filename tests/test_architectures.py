@@ -1,8 +1,9 @@
 """Every causal-LM family transformers can build offline is scored as its own forward scores it, or refused in one line.
 
-postrl replaces three pieces of a model's forward with its own: the output layer applied a chunk at a time
+postrl replaces four pieces of a model's forward with its own: the output layer applied a chunk at a time
 (common.rollout.output_layer, only where head_is_last), a group's prompt run once and its KV cache shared by the G
-rows (the training forward and the sampler), and the sampler's preallocated cache. Here a tiny random model of each
+rows (the training forward and the sampler), the sampler's preallocated cache, and on a CPU the linear layers'
+products through oneDNN (common.models.onednn_linears; the reference below uses torch's own). Here a tiny random model of each
 family (2 layers, built from its config, with the post-processing of its logits made to bind: Granite's
 logits_scaling, Cohere's logit_scale, Gemma-2's final_logit_softcapping, and a sliding window shorter than the
 sequences) is scored three ways against log_softmax of its own forward, run row by row without padding or cache,
@@ -18,7 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import grpo
 from common.cli import ConfigError
-from common.models import disable_dropout
+from common.models import disable_dropout, onednn_linears
 from common.rollout import check_forward, micro_batches, output_layer, token_logprobs
 from common.sampling import Rollout, completion_mask, sample
 
@@ -58,6 +59,12 @@ def tiny_model(model_type: str):
     except Exception as e:  # noqa: BLE001 -- the generic shrinking does not fit this family
         pytest.skip(f"{model_type}: no tiny model from its config ({type(e).__name__}: {str(e)[:100]})")
     disable_dropout(model)
+    with torch.no_grad():  # biases drawn too (initialised at 0, a bias dropped somewhere would go unseen)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(std=0.1)
+    if torch.backends.mkldnn.is_available():
+        onednn_linears(model, on=True)  # as load_model sets a real model up on a CPU: its products through oneDNN
     return model
 
 
@@ -80,8 +87,11 @@ def groups(V: int, seed: int = 0) -> Rollout:
 
 @torch.no_grad()
 def own_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask) -> torch.Tensor:
-    """log_softmax of model(...).logits at each completion token: each row alone, unpadded, no cache, eval mode."""
+    """log_softmax of model(...).logits at each completion token: each row alone, unpadded, no cache, eval mode, with
+    torch's own matrix products (the model's forward as transformers runs it, not through oneDNN)."""
     was_training = model.training
+    fast = any("forward" in vars(m) for m in model.modules() if type(m) is torch.nn.Linear)
+    onednn_linears(model, on=False)
     model.eval()
     out = torch.zeros(completion_ids.shape)
     for b in range(len(completion_ids)):
@@ -89,6 +99,7 @@ def own_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask) -> torch.
         logits = model(input_ids=torch.cat([x, y])[None], use_cache=False).logits[0, len(x) - 1 : -1].float()
         out[b, : len(y)] = torch.log_softmax(logits, -1).gather(-1, y[:, None])[:, 0]
     model.train(was_training)
+    onednn_linears(model, on=fast)
     return out
 
 

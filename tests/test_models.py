@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 FAULTS = """
 import resource, sys, torch
@@ -33,3 +34,75 @@ def test_loading_a_model_keeps_freed_memory_for_reuse_instead_of_page_faulting_i
     faults = {how: int(subprocess.run([sys.executable, "-c", FAULTS, how], capture_output=True, text=True,
                                       check=True).stdout.split()[-1]) for how in ("load", "default")}
     assert faults["load"] < 1000 < 10000 < faults["default"], faults
+
+
+ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def linear_and_grads(x, layer):
+    x = x.detach().requires_grad_()
+    layer.zero_grad()
+    y = layer(x)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()  # a loss whose gradient differs in every column
+    return y.detach(), x.grad, layer.weight.grad.clone(), None if layer.bias is None else layer.bias.grad.clone()
+
+
+@ONEDNN
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_linear_layer_through_onednn_computes_torchs_output_and_gradients_up_to_rounding(bias):
+    """y = x W^T + b, dL/dx, dL/dW and dL/db through oneDNN against torch's own linear: float32 rounding apart
+    (products of 96 terms, summed in another order), on a batch of sequences and on a non-contiguous input."""
+    from common.models import onednn_linears
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=bias))
+    for x in (torch.randn(3, 7, 96), torch.randn(96, 11).t()):
+        assert onednn_linears(layer, on=False) == 0
+        want = linear_and_grads(x, layer[0])
+        assert onednn_linears(layer, on=True) == 1
+        got = linear_and_grads(x, layer[0])
+        for a, b in zip(got, want):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@ONEDNN
+def test_a_linear_layer_through_onednn_leaves_what_it_does_not_compute_to_torch():
+    """Under bf16 autocast the product is bf16, as torch's linear makes it; an empty batch, a frozen weight (LoRA's
+    base: no weight gradient) and no-grad calls all work."""
+    from common.models import onednn_linears
+
+    layer = torch.nn.Linear(32, 16)
+    onednn_linears(layer, on=True)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    assert layer(torch.randn(0, 32)).shape == (0, 16)
+    layer.weight.requires_grad_(False)
+    x.requires_grad_()
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
+
+
+def linear_ops(model) -> set[str]:
+    from torch.profiler import profile
+
+    with torch.no_grad(), profile() as prof:
+        model(input_ids=torch.arange(1, 6)[None])
+    return {e.name for e in prof.events()}
+
+
+@ONEDNN
+def test_the_embedded_models_products_stay_torchs_and_the_switch_is_refused_when_misspelt(monkeypatch):
+    """The embedded job's tiny products are no faster through oneDNN (measured): its figures stay torch's. A value of
+    POSTRL_CPU_MATMUL other than onednn / torch is an error naming it, before any work."""
+    from common.cli import ConfigError
+    from common.models import load_model, resolve_model
+
+    assert "mkldnn::_linear_pointwise" not in linear_ops(load_model(resolve_model("embedded", "reverse")))
+    monkeypatch.setenv("POSTRL_CPU_MATMUL", "mkl")
+    with pytest.raises(ConfigError, match=r"^POSTRL_CPU_MATMUL='mkl': choose onednn or torch$"):
+        load_model(resolve_model("embedded", "reverse"))

@@ -155,3 +155,37 @@ def test_grpo_trains_smollm2_on_word_problems_for_two_steps(tmp_path, smollm2, p
     assert rows[1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-9)
     weights = latest_weights(tmp_path / "run")
     assert weights.num_parameters() == 134_515_008 and next(weights.parameters()).dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_smollm2s_products_run_through_onednn_and_agree_with_its_own_forward(smollm2, monkeypatch):
+    """load_model routes SmolLM2's linear layers through oneDNN's GEMM (common.models.onednn_linears: twice torch's
+    float32 rate on this CPU); the logits and the gradient of a loss on them are those of the model's own forward
+    with torch's products, up to float32 rounding (the gradient within 1e-3 of its largest entry: measured against a
+    float64 forward, torch's products are 1.1e-4 off and oneDNN's 5.6e-6). POSTRL_CPU_MATMUL=torch keeps torch's."""
+    from torch.profiler import profile
+
+    from common.models import onednn_linears
+
+    model = load_model(smollm2)
+    ids = torch.tensor([[1, 504, 3458, 314, 216, 1528, 30, 657, 2135, 35]])
+
+    def forward_and_grad():
+        model.zero_grad()
+        with profile() as prof:
+            logits = model(input_ids=ids).logits
+            torch.log_softmax(logits, -1)[0, :, 7].sum().backward()
+        names = {e.name for e in prof.events()}
+        return logits.detach(), model.model.layers[3].mlp.down_proj.weight.grad.clone(), names
+
+    fast, fast_grad, names = forward_and_grad()
+    assert "mkldnn::_linear_pointwise" in names
+    onednn_linears(model, on=False)
+    own, own_grad, names = forward_and_grad()
+    assert "mkldnn::_linear_pointwise" not in names
+    torch.testing.assert_close(fast, own, rtol=1e-4, atol=1e-4)
+    scale = own_grad.abs().max()  # torch's own products lie ~1e-4 of it from float64's here (oneDNN's ~5e-6)
+    torch.testing.assert_close(fast_grad, own_grad, rtol=0, atol=1e-3 * scale)
+    assert (fast_grad - own_grad).norm() < 1e-3 * own_grad.norm()
+    monkeypatch.setenv("POSTRL_CPU_MATMUL", "torch")
+    assert onednn_linears(load_model(smollm2)) == 0

@@ -254,7 +254,7 @@ def test_the_sampler_applies_the_output_layer_a_few_rows_at_a_time_and_draws_wha
 def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_change(tmp_path, monkeypatch):
     """evaluate(cache_dir=...) keeps each set's completions under the hash of what they depend on: the same weights,
     prompts, seed and flags load them (no sampling, the same metrics); another seed, top-k, set of prompts, autocast
-    dtype or changed weights sample again. Metrics are scored afresh from the completions each time; a multi-turn
+    dtype, matrix-product kernel or changed weights sample again. Metrics are scored afresh from the completions each time; a multi-turn
     task (its environments' rewards ride in the rollout) is never cached."""
     import common.rollout
     from common.models import autocast_forward, eos_token_ids, load_model, load_tokenizer, resolve_model
@@ -285,6 +285,10 @@ def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_chang
     chain = load_task("chain-2", num_test=3)
     assert run(task=chain)[1] == run(task=chain)[1] > 0  # multi-turn: sampled every time
     assert run(policy=autocast_forward(load_model(path), "bfloat16"))[1] == 2  # float32 weights, bf16 forward
+    if torch.backends.mkldnn.is_available():  # the same weights, products by another kernel (equal up to rounding)
+        from common.models import onednn_linears
+
+        assert run(policy=(lambda m: (onednn_linears(m, on=True), m)[1])(load_model(path).eval()))[1] == 2
     with torch.no_grad():
         next(model.parameters())[0, 0] += 1e-3
     assert run()[1] == 2  # other weights

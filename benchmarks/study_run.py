@@ -110,20 +110,29 @@ def floors(rows: list[dict], floor: Floors, prompt_len: int, eval_prompts: int, 
 
 def flipped(reference: Path, cache: Path) -> str:
     """Of the base model's evaluation completions kept in two caches (each file: one set's sampled and greedy
-    Rollouts), paired by their prompts: how many differ in any token, sampled and greedy."""
+    Rollouts): for each reference entry, the entry of the other cache with the same prompts and the fewest differing
+    rows (the base model's, not a later step's: this cache holds the evaluations at steps 20 and 40 too), and how many
+    of its completions differ in any token, sampled and greedy."""
     def entries(folder: Path) -> list:
         return [torch.load(f, weights_only=True) for f in sorted(folder.glob("*.pt"))]
 
+    def differing(x: dict, y: dict) -> int:
+        n = max(x["completion_ids"].shape[1], y["completion_ids"].shape[1])
+        pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]))  # noqa: E731
+        return int(((pad(x["completion_ids"] * x["completion_mask"]) != pad(y["completion_ids"] * y["completion_mask"]))
+                    | (pad(x["completion_mask"]) != pad(y["completion_mask"]))).any(-1).sum())
+
     counts = {"sampled": [0, 0], "greedy": [0, 0]}
+    candidates = entries(cache)
     for a in entries(reference):
-        for b in entries(cache):
-            if a[0]["prompt_ids"].shape == b[0]["prompt_ids"].shape and torch.equal(a[0]["prompt_ids"], b[0]["prompt_ids"]):
-                for kind, x, y in (("sampled", a[0], b[0]), ("greedy", a[1], b[1])):
-                    n = max(x["completion_ids"].shape[1], y["completion_ids"].shape[1])
-                    pad = lambda t: torch.nn.functional.pad(t, (0, n - t.shape[1]), value=-1)  # noqa: E731
-                    differ = (pad(x["completion_ids"] * x["completion_mask"]) != pad(y["completion_ids"] * y["completion_mask"])).any(-1)
-                    counts[kind][0] += int(differ.sum())
-                    counts[kind][1] += len(differ)
+        same = [b for b in candidates if a[0]["prompt_ids"].shape == b[0]["prompt_ids"].shape
+                and torch.equal(a[0]["prompt_ids"], b[0]["prompt_ids"])]
+        if not same:
+            continue
+        b = min(same, key=lambda b: differing(a[0], b[0]) + differing(a[1], b[1]))
+        for kind, x, y in (("sampled", a[0], b[0]), ("greedy", a[1], b[1])):
+            counts[kind][0] += differing(x, y)
+            counts[kind][1] += len(x["completion_ids"])
     return (f"Draws flipped: of the base model's evaluation completions (step 0, both sets), {counts['sampled'][0]} of "
             f"{counts['sampled'][1]} sampled and {counts['greedy'][0]} of {counts['greedy'][1]} greedy differ in some "
             f"token between {reference.relative_to(ROOT)} and {cache.relative_to(ROOT)}")

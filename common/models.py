@@ -158,32 +158,34 @@ class OneDNNLinear(torch.autograd.Function):
     oneDNN: the same arithmetic as torch.nn.functional.linear, summed in another order (equal up to rounding)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias):  # keeps x only if W needs a gradient (a frozen LoRA base), as torch's linear
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         ctx.has_bias = bias is not None
         return _onednn(x, weight, bias)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no second derivative (the oneDNN op has no autograd formula)
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
-        g = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[0]:  # transposed views: oneDNN reads them in place (a copy first was 2-14x slower)
+        if ctx.needs_input_grad[0]:  # W^T as a transposed view: read in place (made contiguous first: 2-14x slower)
             grad_x = _onednn(grad, weight.t())
         if ctx.needs_input_grad[1]:
+            g = grad.reshape(-1, grad.shape[-1])
             grad_weight = _onednn(g.t(), x.reshape(-1, x.shape[-1]).t())
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0)
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, grad_weight, grad_bias
 
 
-def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _onednn_forward(self, input: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through oneDNN where it computes the same thing: float32 input and weights on a CPU, no
     autocast (which would run the product in bf16), plain tensors (not FSDP's sharded ones), a non-empty batch; any
     other call goes to torch's own linear."""
-    w = self.weight
+    x, w = input, self.weight
+    plain = (torch.Tensor, torch.nn.Parameter)
     if (x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32 or x.numel() == 0
-            or torch.is_autocast_enabled("cpu") or type(w) not in (torch.Tensor, torch.nn.Parameter)):
+            or torch.is_autocast_enabled("cpu") or type(w) not in plain or type(x) not in plain):
         return torch.nn.functional.linear(x, w, self.bias)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad)):
         return OneDNNLinear.apply(x, w, self.bias)
@@ -208,10 +210,12 @@ def onednn_linears(model, on: bool | None = None) -> int:
         choice = os.environ.get(MATMUL_ENV, "onednn")
         if choice not in ("onednn", "torch"):
             raise ConfigError(f"{MATMUL_ENV}={choice!r}: choose onednn or torch")
-        on = (choice == "onednn" and torch.backends.mkldnn.is_available() and platform.machine() in ("x86_64", "AMD64")
+        on = (choice == "onednn" and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+              and platform.machine() in ("x86_64", "AMD64")
               and sum(p.numel() for p in model.parameters()) >= ONEDNN_MIN_PARAMETERS)
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    for layer in layers:
+    patched = lambda m: getattr(vars(m).get("forward"), "__func__", None) is _onednn_forward  # noqa: E731
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and ("forward" not in vars(m) or patched(m))]
+    for layer in layers:  # a layer whose forward someone else patched (accelerate's offload hooks, say) is left alone
         if on:
             layer.forward = MethodType(_onednn_forward, layer)
         else:

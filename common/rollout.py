@@ -478,7 +478,7 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
     return sampled, rewards, successes, greedy_successes
 
 
-SAMPLER_CODE = ("sampling.py", "multiturn.py", "rollout.py")  # the code that turns weights, prompts, uniforms into tokens
+SAMPLER_CODE = ("sampling.py", "multiturn.py", "rollout.py", "models.py")  # the code that turns weights, prompts, uniforms into tokens
 
 
 def model_digest(model, tokenizer) -> str | None:

@@ -139,11 +139,16 @@ def with_lora(model):
 
 
 @pytest.mark.parametrize("model_type", SERVED)
-def test_each_named_family_is_served_and_scored_as_its_own_forward_scores_it(model_type):
+def test_each_named_family_is_served_and_scored_as_its_own_forward_scores_it(model_type, monkeypatch):
+    import common.models
+
+    calls, real = [], common.models._onednn
+    monkeypatch.setattr(common.models, "_onednn", lambda *a: (calls.append(1), real(*a))[1])
     model = tiny_model(model_type)
     check_forward(model, model_type)  # not refused
     assert_scored_as_its_own_forward(model)
     assert_scored_as_its_own_forward(with_lora(model))
+    assert len(calls) > 0 or not torch.backends.mkldnn.is_available()  # the products went through oneDNN
 
 
 @pytest.mark.parametrize("model_type, head_apart", [("llama", True), ("gpt2", True), ("granite", False), ("cohere", False),

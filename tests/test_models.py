@@ -39,6 +39,15 @@ def test_loading_a_model_keeps_freed_memory_for_reuse_instead_of_page_faulting_i
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
+def count_onednn(monkeypatch) -> list:
+    """Record every product common.models computes through oneDNN (the test would pass unseen if none ran)."""
+    import common.models
+
+    calls, real = [], common.models._onednn
+    monkeypatch.setattr(common.models, "_onednn", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    return calls
+
+
 def linear_and_grads(x, layer):
     x = x.detach().requires_grad_()
     layer.zero_grad()
@@ -49,11 +58,12 @@ def linear_and_grads(x, layer):
 
 @ONEDNN
 @pytest.mark.parametrize("bias", [True, False])
-def test_a_linear_layer_through_onednn_computes_torchs_output_and_gradients_up_to_rounding(bias):
+def test_a_linear_layer_through_onednn_computes_torchs_output_and_gradients_up_to_rounding(bias, monkeypatch):
     """y = x W^T + b, dL/dx, dL/dW and dL/db through oneDNN against torch's own linear: float32 rounding apart
     (products of 96 terms, summed in another order), on a batch of sequences and on a non-contiguous input."""
     from common.models import onednn_linears
 
+    calls = count_onednn(monkeypatch)
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=bias))
     for x in (torch.randn(3, 7, 96), torch.randn(96, 11).t()):
@@ -65,6 +75,7 @@ def test_a_linear_layer_through_onednn_computes_torchs_output_and_gradients_up_t
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert not torch.equal(got[0], torch.zeros_like(got[0]))
+    assert len(calls) == 2 * 3  # each input: the forward and two products in the backward, all through oneDNN
 
 
 @ONEDNN
@@ -83,6 +94,8 @@ def test_a_linear_layer_through_onednn_leaves_what_it_does_not_compute_to_torch(
     x.requires_grad_()
     layer(x).sum().backward()
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, torch.full((16,), 4.0))
+    assert layer.weight.grad is None
     with torch.no_grad():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
 
@@ -106,3 +119,37 @@ def test_the_embedded_models_products_stay_torchs_and_the_switch_is_refused_when
     monkeypatch.setenv("POSTRL_CPU_MATMUL", "mkl")
     with pytest.raises(ConfigError, match=r"^POSTRL_CPU_MATMUL='mkl': choose onednn or torch$"):
         load_model(resolve_model("embedded", "reverse"))
+
+
+@ONEDNN
+@pytest.mark.parametrize("setting", [dict(lora_r=4, lora_alpha=8.0), dict(gradient_checkpointing=True)],
+                         ids=["lora", "checkpointing"])
+def test_the_training_forwards_gradient_through_onednn_is_torchs_under_lora_and_checkpointing(tokenizer, setting,
+                                                                                               monkeypatch):
+    """token_logprobs and the gradient of their sum, oneDNN's products against torch's, on the embedded model turned
+    to oneDNN by hand (its default is torch's): peft's frozen base layers (no weight gradient, the adapters' gradient
+    through them) and the recomputation of checkpointing take the oneDNN path and give torch's numbers."""
+    import grpo
+    from common.models import load_policy, onednn_linears, resolve_model
+    from common.rollout import rollout, token_logprobs
+    from common.tasks import load_task
+
+    policy = load_policy(resolve_model("embedded", "reverse"), None, grpo.Args(**setting))
+    rows = load_task("reverse", num_test=8).test.select(range(3))
+    batch = rollout(policy, tokenizer, [p for p in rows["prompt"] for _ in range(4)], [(2, i) for i in range(12)], 8, 1.0,
+                    [tokenizer.eos_token_id], "cpu")
+    policy.train()
+
+    def logps_and_grads():
+        policy.zero_grad()
+        logps, _ = token_logprobs(policy, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+        (logps * batch.completion_mask).sum().backward()
+        return logps.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+
+    own, own_grad = logps_and_grads()
+    calls = count_onednn(monkeypatch)
+    assert onednn_linears(policy, on=True) > 0
+    fast, fast_grad = logps_and_grads()
+    assert len(calls) > 0
+    torch.testing.assert_close(fast, own, rtol=1e-5, atol=1e-5)
+    assert torch.nn.functional.cosine_similarity(fast_grad, own_grad, dim=0) > 0.999999 and own_grad.abs().sum() > 0

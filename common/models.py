@@ -145,7 +145,7 @@ def autocast_forward(model, dtype: str):
 
 
 MATMUL_ENV = "POSTRL_CPU_MATMUL"  # "onednn" (the default where torch has it, on x86-64) or "torch"
-ONEDNN_MIN_PARAMETERS = 10**7  # the embedded models (0.14M parameters): no faster through oneDNN, measured
+ONEDNN_MIN_PARAMETERS = 10**7  # the embedded models (0.14M parameters): no faster through oneDNN (tried)
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,7 +200,7 @@ def onednn_linears(model, on: bool | None = None) -> int:
     summed in another order: equal up to float32 rounding, so a draw within ~1e-6 of a CDF boundary can flip
     (tests/test_architectures.py checks every family against its own forward with torch's products). On by default
     where torch has oneDNN on x86-64, for a model of at least ONEDNN_MIN_PARAMETERS (the embedded job's tiny products
-    are overhead, not arithmetic: a 200-step grpo.py run was no faster, so its figures stay those of torch's products);
+    cost per call, not per FLOP: a 200-step grpo.py run was no faster, so its figures stay those of torch's products);
     os.environ[MATMUL_ENV] = "torch" turns it off. on=True / False: on / torch's own linear, whatever the size.
     A layer on another device or dtype, under autocast, or sharded, falls through to torch's linear at each call.
     Returns how many layers it changed."""

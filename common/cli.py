@@ -21,9 +21,15 @@ def check(condition: bool, message: str) -> None:
 
 def run(main, args) -> None:
     """Call main(args); a ConfigError becomes `<script>: error: <message>` and exit status 2, a NonFiniteError the same
-    line and exit status 1."""
+    line and exit status 1. However main ends, the distributed process group (the Accelerator's, with several
+    processes) is destroyed here, not left to the interpreter's exit, where a live gloo group can abort the process."""
     try:
         main(args)
     except (ConfigError, NonFiniteError) as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

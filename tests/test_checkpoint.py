@@ -1,6 +1,8 @@
 """Checkpoints and stops: a non-finite loss or gradient never reaches the weights, a checkpoint is data and never
 code, the last two checkpoints are kept, and a run resumes from any one of them."""
 
+import sys
+
 import pytest
 import torch
 from conftest import latest_weights, small_args, state_dicts_equal, without_timing
@@ -100,3 +102,22 @@ def test_gapo_resumes_like_an_uninterrupted_run(tmp_path):
     gapo.main(small_args(gapo, tmp_path / "cut", steps=4, save_every=2, resume=str(tmp_path / "cut" / "run")))
     assert without_timing(read_metrics(tmp_path / "cut" / "run")) == without_timing(read_metrics(tmp_path / "full" / "run"))
     assert state_dicts_equal(latest_weights(tmp_path / "cut" / "run"), latest_weights(tmp_path / "full" / "run"))
+
+
+@pytest.mark.parametrize("ends", ["returns", "exits"])
+def test_a_script_leaves_no_process_group_behind_whichever_way_it_ends(tmp_path, ends):
+    """run() destroys the distributed process group a script's Accelerator made: a gloo group left to the interpreter's
+    exit could abort a process that had finished its run ("terminate called without an active exception", seen in
+    one of several two-process runs of tests/test_grpo.py)."""
+    import torch.distributed as dist
+
+    def main(_):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        if ends == "exits":
+            sys.exit(130)  # a stop request: checkpointed, then exit status 130
+
+    try:
+        run(main, None)
+    except SystemExit:
+        pass
+    assert not dist.is_initialized()

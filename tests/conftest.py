@@ -147,3 +147,12 @@ def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: i
     assert [c.name for c in checkpoints] == [f"step_{last_step:06d}"]
     assert latest_weights(run_dir).num_parameters() > 0
     assert "resume with --resume" in stderr
+
+
+def count_onednn(monkeypatch) -> list:
+    """Record every product common.models computes through oneDNN (the test would pass unseen if none ran)."""
+    import common.models
+
+    calls, real = [], common.models._onednn
+    monkeypatch.setattr(common.models, "_onednn", lambda *a: (calls.append(a[0].shape), real(*a))[1])
+    return calls

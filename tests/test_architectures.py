@@ -14,6 +14,7 @@ would get wrong must be refused by common.rollout.check_forward, which load_poli
 
 import pytest
 import torch
+from conftest import count_onednn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -140,10 +141,7 @@ def with_lora(model):
 
 @pytest.mark.parametrize("model_type", SERVED)
 def test_each_named_family_is_served_and_scored_as_its_own_forward_scores_it(model_type, monkeypatch):
-    import common.models
-
-    calls, real = [], common.models._onednn
-    monkeypatch.setattr(common.models, "_onednn", lambda *a: (calls.append(1), real(*a))[1])
+    calls = count_onednn(monkeypatch)
     model = tiny_model(model_type)
     check_forward(model, model_type)  # not refused
     assert_scored_as_its_own_forward(model)

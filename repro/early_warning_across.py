@@ -25,15 +25,13 @@ the embedded job's thresholds to the real model unchanged. Writes repro/results/
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import tyro
 from async_corrections import job as corrections_job
 from async_lr_staleness import job as lr_job
-from runner import LOGS, collapsed, evals, pyplot, run_jobs, save_table, smooth
+from runner import LOGS, collapsed, evals, pyplot, read_log, run_jobs, save_table, smooth
 
 WARM_UP = 1  # step 1 trains on version 0's own samples in every run
 WINDOW = 5
@@ -146,10 +144,6 @@ def embedded_runs(args: Args) -> list[Run]:
     for (lr, K, c, s), run in runs.items():
         run.reference = runs[(lr, 0, "none", s)] if K else None
     return list(runs.values())
-
-
-def read_log(path: Path) -> list[dict]:
-    return [row for line in path.read_text().splitlines() if "step" in (row := json.loads(line))]
 
 
 def real_runs() -> list[Run]:

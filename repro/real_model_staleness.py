@@ -13,6 +13,7 @@ Arms (ARMS below):
   (the behaviour policy mu is taken as pi_old, "bypass").
 - K4_tis: K = 4 with truncated importance sampling, the correction that reached the embedded job's target in
   the fewest steps at K = 4 (137 steps, 3 of 3 seeds; decoupled: 160; none: 1 of 3; repro/README.md).
+- K4_icepop, K4_decoupled: the other corrections that did best on the embedded job at K = 4 and 8 (issue 34, part 2).
 - K1_tis: the threaded arm's staleness and correction, emulated (the thread's effect apart from K's).
 - K4_none_noclip: K4_none with the clip opened (eps_low 0.999, eps_high 1e6), checkpointed every 10 steps: does the
   clip against the stale mu cut the tokens being learned (the candidate mechanism of K4_none's stall)?
@@ -42,6 +43,10 @@ ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe
     "K2_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "2", "--correction", "none"]),
     "K4_none": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none"]),
     "K4_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis"]),
+    # issue 34, part 2: the other corrections that did best on the embedded job (repro/README.md, "Every correction
+    # under the same lag": icepop the highest final pass@1 at K = 4, decoupled at K = 8)
+    "K4_icepop": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "icepop"]),
+    "K4_decoupled": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "decoupled"]),
     # issue 34's mechanism: K = 4 bypass with the clip on r = pi_theta / mu opened ([0.001, 1e6]: no token cut)
     "K4_none_noclip": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none",
                                          "--eps-low", "0.999", "--eps-high", "1e6", "--save-every", "10"]),

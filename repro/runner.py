@@ -78,6 +78,11 @@ def shorter(run_dir: Path, job: Job) -> bool:
     return json.loads((run_dir / "args.json").read_text())["steps"] < steps
 
 
+def read_log(path: Path) -> list[dict]:
+    """The metrics rows of a log kept by keep_log (its last line, the wall time, left out)."""
+    return [row for line in path.read_text().splitlines() if "step" in (row := json.loads(line))]
+
+
 def evals(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "eval/pass@1" in r]
 

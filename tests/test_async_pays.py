@@ -1,0 +1,28 @@
+"""repro/real_model_async_pays.py's model: where a run reaches an accuracy (linear between evaluations), and what a
+step costs on one device (S + L) against one generator and one learner device (max(S, L) + the weight push)."""
+
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "repro"))
+from real_model_async_pays import crossing, seconds_to, share  # noqa: E402
+
+
+def test_crossing_is_linear_between_evaluations():
+    points = [(0, 0.10), (20, 0.20), (40, 0.30)]
+    assert crossing(points, 0.15) == pytest.approx(10.0)
+    assert crossing(points, 0.25) == pytest.approx(30.0)
+    assert crossing(points, 0.05) == 0.0  # already there at the start
+    assert crossing(points, 0.35) is None  # never
+    assert crossing([(0, 0.1), (20, 0.3), (40, 0.2)], 0.25) == pytest.approx(15.0)  # the first time, not the last
+
+
+def test_a_step_costs_s_plus_l_synchronously_and_the_larger_share_plus_the_push_asynchronously():
+    rows = [{"step": t, "time/rollout_s": 4.0, "time/train_s": 6.0} for t in (1, 2, 3)]  # T = 10 s a step, f = 0.4
+    assert share(rows) == pytest.approx(0.4)
+    assert seconds_to(rows, 2.0, 0.4, 0, push=0.5) == pytest.approx(20.0)  # K = 0: sample, then train
+    assert seconds_to(rows, 2.0, 0.4, 4, push=0.5) == pytest.approx(2 * (6.0 + 0.5))  # overlapped: max(4, 6) + push
+    assert seconds_to(rows, 2.0, 0.8, 4, push=0.0) == pytest.approx(16.0)  # the share is the model's parameter
+    assert seconds_to(rows, 1.5, 0.5, 4, push=0.0) == pytest.approx(7.5)  # a fractional step: linear inside it

@@ -16,6 +16,8 @@ Embedded tasks (offline, generated from a fixed seed, each with a warm-started t
 Real tasks:
     gsm8k    hub id `openai/gsm8k`, or a local .json/.jsonl file with `question` (or `prompt`) and
              `answer` fields; the reference answer is the number after `####` (or the whole answer).
+    gsm8k-turns  the same rows, multi-turn: one turn per step of the worked answer, then the final answer;
+             1/N for each right turn (StepsEnv). --extra-eval-data-path sets are evaluated single-turn.
     math     local MATH-format files (`problem`, `solution` with \boxed{}), scored by math-verify.
     data     any local data file with your reward functions (common/user_tasks.py).
 --reward module:function (several, --reward-weights) replaces a task's reward with the weighted sum of
@@ -38,7 +40,7 @@ from common.cli import ConfigError
 
 EMBEDDED_TASKS = ("reverse", "reverse-long", "add")  # single-turn; each has a model in common/weights/<name>
 EMBEDDED_MODELS = EMBEDDED_TASKS + ("chain",)  # the directories of common/weights/
-TASKS = ("reverse", "reverse-long", "add", "chain-N[-partial|-sum]", "gsm8k", "math", "data")
+TASKS = ("reverse", "reverse-long", "add", "chain-N[-partial|-sum]", "gsm8k", "gsm8k-turns", "math", "data")
 DATA_SEED = 1234  # the embedded data sets are the same for every run and every seed
 
 
@@ -49,14 +51,16 @@ class Task:
     test: Dataset
     reward: Callable[[list[str], list[str]], list[float]] | None  # None for a multi-turn task: its environment rewards
     max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
-    env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py)
+    env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py) or None
     formatted: Callable[[list[str]], list[bool]] | None = None  # whether each completion gives its answer in the task's format
     reward_functions: list | None = None  # --reward: user functions by import path, weighted (common/user_tasks.py)
     extra_tests: dict = field(default_factory=dict)  # --extra-eval-data-path: name -> more held-out rows, evaluated too
 
     def envs(self, answers: list[str]) -> list | None:
-        """One environment per row for a multi-turn task; None for a single-turn one."""
-        return None if self.env is None else [self.env(a) for a in answers]
+        """One environment per row for a multi-turn task; None for a single-turn task or set (env(answer) is None for
+        a row it cannot serve: gsm8k-turns' --extra-eval-data-path sets, whose answers are final numbers, single-turn)."""
+        envs = None if self.env is None else [self.env(a) for a in answers]
+        return None if envs is None or any(e is None for e in envs) else envs
 
     def score(self, batch, answers: list[str], rows=None, parts: dict | None = None) -> tuple[list[float], list[bool]]:
         """The reward of each row and whether it succeeded (what pass@k counts): the environment's reward
@@ -357,6 +361,54 @@ def gsm8k_task(data_path: str | None, eval_data_path: str | None, num_test: int)
                 formatted=gsm8k_formatted)
 
 
+# ---------------------------------------------------------------- GSM8K, one step a turn
+TURNS_INSTRUCTION = "\nSolve the problem one step at a time. Reply with the result of the first step only."
+NEXT_TURN = "Reply with the result of the next step only."
+LAST_TURN = "Now give the final answer after '####'."
+TURNS_MAX_TOKENS = 1024  # a trajectory's model and environment tokens after the prompt
+
+
+class StepsEnv:
+    """A worked solution asked one step at a time (the chain task's design on word problems): turn k asks for the
+    k-th intermediate result (intermediate_results), the last turn for the final answer; a turn is right if the number
+    it gives (extract_number) is that result, and earns 1 / N of the N turns; the trajectory succeeds if the final
+    answer is right. A one-step problem is one turn: the single-turn task with gsm8k_reward."""
+
+    max_tokens = TURNS_MAX_TOKENS
+
+    def __init__(self, solution: str):
+        self.results = [*intermediate_results(solution), extract_number(solution)]
+        self.max_turns = len(self.results)
+        self.turn, self.success = 0, False
+
+    def reset(self, prompt: str) -> str:
+        self.turn, self.success = 0, False
+        return prompt
+
+    def step(self, turn: str) -> tuple[str, float, bool]:
+        k, self.turn = self.turn, self.turn + 1
+        done = self.turn == self.max_turns
+        right = extract_number(turn) == self.results[k]
+        self.success = done and right
+        observation = "" if done else LAST_TURN if self.turn == self.max_turns - 1 else NEXT_TURN
+        return observation, right / self.max_turns, done
+
+
+def gsm8k_turns_task(data_path: str | None, eval_data_path: str | None, num_test: int) -> Task:
+    """--task gsm8k-turns: GSM8K's rows (the same files and checks as gsm8k) asked one step a turn (StepsEnv); the
+    answer column holds the worked solution the environment reads."""
+    single = gsm8k_task(data_path, eval_data_path, num_test)
+
+    def turns(rows: Dataset) -> Dataset:
+        return Dataset.from_list([{
+            "prompt": r["prompt"].removesuffix(GSM8K_INSTRUCTION)
+            + (TURNS_INSTRUCTION if intermediate_results(r["solution"]) else GSM8K_INSTRUCTION),
+            "answer": r["solution"], "solution": r["solution"]} for r in rows])
+
+    return Task("gsm8k-turns", turns(single.train), turns(single.test), gsm8k_reward, max_new_tokens=256,
+                env=lambda answer: StepsEnv(answer) if "####" in answer else None, formatted=gsm8k_formatted)
+
+
 def user_task(name: str, data_path: str | None, eval_data_path: str | None, num_test: int, prompt_column: str,
               answer_column: str, eval_fraction: float | None) -> Task:
     """--task data (your columns, your rewards) or --task math (MATH rows, math-verify)."""
@@ -386,7 +438,7 @@ def load_task(name: str, data_path: str | None = None, eval_data_path: str | Non
     """The task `name`; train_size keeps only the first N training prompts (a small pool is revisited often);
     rewards (import paths, weighted) replace the task's own reward; extra_eval_paths are more held-out files of the
     --eval-data-path form, each evaluated too and logged by its file name."""
-    if embedded_model_name(name) is None and name not in ("gsm8k", "math", "data"):
+    if embedded_model_name(name) is None and name not in ("gsm8k", "gsm8k-turns", "math", "data"):
         raise ConfigError(f"--task {name!r} is not one of: {', '.join(TASKS)}")
     if eval_fraction is not None and not (name in ("math", "data") and 0 < eval_fraction < 1):
         raise ConfigError(f"--eval-fraction must be in (0, 1), with --task math or data (got {eval_fraction} with {name})")
@@ -401,6 +453,8 @@ def load_task(name: str, data_path: str | None = None, eval_data_path: str | Non
         if name == "data" and not functions:
             raise ConfigError("--task data needs at least one --reward module:function (see common/user_tasks.py)")
         task = user_task(name, data_path, eval_data_path, num_test, prompt_column, answer_column, eval_fraction)
+    elif name == "gsm8k-turns":
+        task = gsm8k_turns_task(data_path, eval_data_path, num_test)
     elif name != "gsm8k":
         if data_path is not None:
             raise ConfigError(f"--data-path is only used with --task gsm8k, math or data, not with the embedded task {name!r}")
@@ -412,11 +466,11 @@ def load_task(name: str, data_path: str | None = None, eval_data_path: str | Non
             raise ConfigError(f"--reward: the multi-turn task {name} is rewarded by its environment")
         task.reward_functions = functions
     for path in extra_eval_paths or []:
-        if name not in ("gsm8k", "math", "data"):
-            raise ConfigError(f"--extra-eval-data-path is for --task gsm8k, math or data (got {name})")
+        if name not in ("gsm8k", "gsm8k-turns", "math", "data"):
+            raise ConfigError(f"--extra-eval-data-path is for --task gsm8k, gsm8k-turns, math or data (got {name})")
         if Path(path).stem in task.extra_tests:
             raise ConfigError(f"--extra-eval-data-path: two files are named {Path(path).stem} (their metrics would merge)")
-        again = gsm8k_task(data_path, path, num_test) if name == "gsm8k" else \
+        again = gsm8k_task(data_path, path, num_test) if name.startswith("gsm8k") else \
             user_task(name, data_path, path, num_test, prompt_column, answer_column, None)
         task.extra_tests[Path(path).stem] = again.test  # read and checked as --eval-data-path is
     if train_size is not None:

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_same_samples, latest_weights, small_args
+from conftest import ROOT, assert_same_samples, latest_weights, small_args
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import async_grpo
@@ -14,7 +14,7 @@ from common.cli import ConfigError
 from common.logging import read_metrics
 from common.multiturn import turn_metrics, turn_stats
 from common.rollout import rollout, select_rows, token_logprobs
-from common.tasks import ChainEnv, load_task, running_sums
+from common.tasks import GSM8K_INSTRUCTION, LAST_TURN, NEXT_TURN, TURNS_INSTRUCTION, ChainEnv, StepsEnv, load_task, running_sums
 
 EOS = 2
 
@@ -139,6 +139,36 @@ def test_by_turn_statistics_add_up_over_micro_batches():
     assert metrics["turns/clip_frac_t1"] == 0 and metrics["turns/clip_frac_t2"] == 0.5
     assert metrics["turns/ratio_std_t2"] == pytest.approx(torch.tensor([0.5, 1.4]).std(unbiased=False).item())
     assert "turns/clip_frac_t3" not in metrics  # no tokens at turn 3
+
+
+# ---------------------------------------------------------------- word problems, one step a turn (gsm8k-turns)
+WORD_DATA = ROOT / "data" / "word_problems"
+
+
+def test_word_problem_env_asks_each_step_then_the_final_answer_and_credits_each_turn():
+    env = StepsEnv("The flowers cost 5 x 6 = 30 dollars.\nWith the bag: 30 + 6 = 36 dollars.\nChange: 54 - 36 = 18 dollars.\n#### 18")
+    assert env.max_turns == 3 and env.reset("Q") == "Q"
+    assert env.step("5 x 6 = 30") == (NEXT_TURN, pytest.approx(1 / 3), False)  # the number the turn gives: its last
+    assert env.step("36 dollars, I think? No: 37") == (LAST_TURN, 0.0, False)  # wrong step: no credit, asked on
+    assert env.step("The change is 18.\n#### 18") == ("", pytest.approx(1 / 3), True) and env.success
+    one = StepsEnv("Maria has 12 + 17 = 29 coins.\n#### 29")  # one step: one turn, the final answer
+    assert one.max_turns == 1 and one.step("#### 30") == ("", 0.0, True) and not one.success
+
+
+def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_turn():
+    task = load_task("gsm8k-turns", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "test.jsonl"), num_test=8,
+                     extra_eval_paths=[str(WORD_DATA / "transfer.jsonl")])
+    single = load_task("gsm8k", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "test.jsonl"), num_test=8)
+    row, plain = task.test[0], single.test[0]
+    assert row["answer"] == plain["solution"] and row["prompt"].endswith(TURNS_INSTRUCTION)  # a 3-step problem
+    assert row["prompt"].removesuffix(TURNS_INSTRUCTION) == plain["prompt"].removesuffix(GSM8K_INSTRUCTION)
+    assert task.test[1]["prompt"] == single.test[1]["prompt"]  # one step: the single-turn prompt
+    envs = task.envs(task.test["answer"])
+    assert [e.max_turns for e in envs[:2]] == [3, 1]
+    transfer = task.extra_tests["transfer"]
+    assert task.envs(transfer["answer"]) is None  # final numbers: evaluated single-turn, scored by gsm8k_reward
+    assert transfer["prompt"] == load_task("gsm8k", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "transfer.jsonl"),
+                                           num_test=8).test["prompt"]
 
 
 def test_bad_chain_names_are_refused():

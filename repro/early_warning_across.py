@@ -182,7 +182,7 @@ def main(args: Args) -> None:
     for key, direction in DIAGNOSTICS:
         embedded = score(key, direction, *split["embedded"])
         real = score(key, direction, *split["real"])
-        transfer = score(key, direction, *split["real"], fixed=embedded["threshold"]) if embedded["threshold"] else None
+        transfer = score(key, direction, *split["real"], fixed=embedded["threshold"]) if embedded["threshold"] is not None else None
         lines.append(f"| {key} ({'falls' if direction < 0 else 'rises'}) | " + " | ".join(
             [*cells(embedded), *cells(real), *(cells(transfer)[1:] if transfer else ["–"] * 3)]) + " |")
     out = save_table("early_warning_across", "\n\n".join(lines[:len(jobs)]) + "\n\n" + "\n".join(lines[len(jobs):]) + "\n")

@@ -12,7 +12,7 @@ import is_grpo
 import ppo
 from common.cli import ConfigError
 from common.logging import read_metrics
-from common.multiturn import turn_metrics, turn_stats
+from common.multiturn import chat_observations, turn_metrics, turn_stats
 from common.rollout import rollout, select_rows, token_logprobs
 from common.tasks import GSM8K_INSTRUCTION, LAST_TURN, NEXT_TURN, TURNS_INSTRUCTION, ChainEnv, StepsEnv, load_task, running_sums
 
@@ -169,6 +169,17 @@ def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_t
     assert task.envs(transfer["answer"]) is None  # final numbers: evaluated single-turn, scored by gsm8k_reward
     assert transfer["prompt"] == load_task("gsm8k", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "transfer.jsonl"),
                                            num_test=8).test["prompt"]
+
+
+def test_a_chat_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    """Observations are appended token by token: a template that renders an earlier turn differently once a later one
+    follows (here: earlier assistant turns dropped) cannot be continued, and is refused in one line."""
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'user' or loop.last %}{{ m.content }}|{% endif %}"
+                               "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    with pytest.raises(ConfigError, match="rewrites earlier turns"):
+        chat_observations(tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}.{% endfor %}{% if add_generation_prompt %}!{% endif %}"
+    assert chat_observations(tokenizer)("next", ".") == "<user>next.!"  # the model's turn ended on its end text
 
 
 def test_bad_chain_names_are_refused():

@@ -76,8 +76,12 @@ def chat_observations(tokenizer):
     if not template:
         return lambda text, end: text
     first = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": MARK}]
-    before = tokenizer.apply_chat_template(first, tokenize=False)
-    after = tokenizer.apply_chat_template([*first, {"role": "user", "content": MARK}], tokenize=False, add_generation_prompt=True)
+    try:
+        before = tokenizer.apply_chat_template(first, tokenize=False)
+        after = tokenizer.apply_chat_template([*first, {"role": "user", "content": MARK}], tokenize=False,
+                                              add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 -- a template that cannot render a user / assistant / user conversation
+        raise ConfigError(f"this model's chat template cannot render a multi-turn conversation: {str(e)[:200]}") from None
     if not after.startswith(before) or before.count(MARK) != 1 or after[len(before):].count(MARK) != 1:
         raise ConfigError("this model's chat template rewrites earlier turns: a multi-turn task cannot be run on it")
     close = before[before.index(MARK) + len(MARK):]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tyro
-from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
+from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
 from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
@@ -128,8 +128,8 @@ def main(args: Args) -> None:
             raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
     if args.recipe not in RECIPES:
         raise SystemExit(f"--recipe: unknown recipe {args.recipe!r} (choose from {', '.join(RECIPES)})")
-    base = [*recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
-            *RECIPES[args.recipe]]
+    base = with_recipe(recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
+                       RECIPES[args.recipe])
     if args.check_k0:
         check_k0(base, args.output_dir)
     plan = [(arm, seed) for arm in args.arms for seed in (args.seeds if arm != "threaded" else [0])]

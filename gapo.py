@@ -55,7 +55,7 @@ from common.logging import MetricsWriter, device_memory, print_summary, progress
 from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
-from common.multiturn import trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
+from common.multiturn import check_chat, trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import evaluate, micro_batches, rollout, runs_prompts_once, token_logprobs
 from common.tasks import load_task
 
@@ -371,6 +371,7 @@ def main(args: Args) -> None:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
+    check_chat(task, tokenizer)  # a multi-turn task on a chat template it cannot continue: refused here
     policy = load_policy(model_path, checkpoint, args)  # dtype, LoRA adapters, gradient checkpointing
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)

@@ -14,7 +14,8 @@ A trajectory is one sequence,
 
 and the policy is trained on it as on one completion: pi(y_kt | x, y_1, o_1, ..., y_k<t). The
 training mask (Rollout.completion_mask) is 1 on the model's tokens only: observations are context,
-not actions. The attention mask (Rollout.attention_mask) is 1 on both. The trajectory reward is the
+not actions. The attention mask (Rollout.attention_mask) is 1 on both. For a chat model an observation goes in as
+a user message of its chat template (chat_observations): the sequence reads as the template renders the conversation. The trajectory reward is the
 sum of the turn rewards (an outcome reward pays at the last turn only; a partial-progress reward
 pays per correct turn).
 
@@ -31,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from common.cli import ConfigError
 from common.sampling import Rollout, completion_mask, encode_prompts, row_uniforms, sample
 
 
@@ -60,12 +62,49 @@ def right_pad(rows: list[list], value, dtype, device) -> torch.Tensor:
     return out.to(device)
 
 
+MARK = "\x00turn\x00"  # a placeholder model turn, found again in the rendered template
+
+
+def chat_observations(tokenizer):
+    """For a chat model, (observation text, the text of the model turn's end token or "") -> the text the chat template
+    puts between the model's turn and its next turn with the observation as the user's message (SmolLM2:
+    '<|im_end|>\\n<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n'), read off two renderings of the
+    template, less the end token the model's turn already holds; the identity for a tokenizer without a template (the
+    embedded chain). A template that rewrites an earlier turn when a later one is added cannot be continued token by
+    token: refused in one line."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return lambda text, end: text
+    first = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": MARK}]
+    try:
+        before = tokenizer.apply_chat_template(first, tokenize=False)
+        after = tokenizer.apply_chat_template([*first, {"role": "user", "content": MARK}], tokenize=False,
+                                              add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 -- a template that cannot render a user / assistant / user conversation
+        raise ConfigError(f"this model's chat template cannot render a multi-turn conversation: {str(e)[:200]}") from None
+    if not after.startswith(before) or before.count(MARK) != 1 or after[len(before):].count(MARK) != 1:
+        raise ConfigError("this model's chat template rewrites earlier turns: a multi-turn task cannot be run on it")
+    close = before[before.index(MARK) + len(MARK):]
+    head, tail = after[len(before):].split(MARK)
+
+    def observation(text: str, end: str) -> str:
+        return (close.removeprefix(end) if end else close) + head + text + tail
+
+    return observation
+
+
+def check_chat(task, tokenizer) -> None:
+    """Refuse, before a model is built, a multi-turn task on a chat template it cannot continue (chat_observations)."""
+    if task.env is not None:
+        chat_observations(tokenizer)
+
+
 def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], keys: list[tuple[int, ...]],
                        max_new_tokens: int, temperature: float, eos_ids: list[int], device, top_k: int = 0,
                        top_p: float = 1.0):
     """One trajectory per env (repeat a row G times for a group); max_new_tokens is the budget of one model turn."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [env.reset(p) for env, p in zip(envs, prompts)], device)
-    pad = tokenizer.pad_token_id
+    pad, chat = tokenizer.pad_token_id, chat_observations(tokenizer)
     context = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(len(envs))]
     tokens, turn_ids, logps = ([[] for _ in envs] for _ in range(3))  # after the prompt; turn -1: an observation
     turn_rewards, turn_texts = [[] for _ in envs], [[] for _ in envs]
@@ -91,7 +130,8 @@ def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], ke
             turn_rewards[b].append(float(reward))
             turn_texts[b].append(text)
             if not done[b]:
-                obs = tokenizer(observation, add_special_tokens=False)["input_ids"][: room - len(turn)]
+                end = tokenizer.decode(turn[-1:]) if turn and turn[-1] in eos_ids else ""
+                obs = tokenizer(chat(observation, end), add_special_tokens=False)["input_ids"][: room - len(turn)]
                 tokens[b] += obs
                 turn_ids[b] += [-1] * len(obs)
                 logps[b] += [0.0] * len(obs)

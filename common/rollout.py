@@ -538,7 +538,7 @@ def evaluate_set(model, tokenizer, task, data, prefix: str, n: int, k: int, max_
     per_prompt = [(sum(successes[j * n : (j + 1) * n]), sum(rewards[j * n : (j + 1) * n]) / n,
                    float(greedy_successes[j])) for j in range(len(idx))]
     lengths = sampled.completion_mask.sum(-1).tolist()  # tokens after the prompt that the model wrote
-    formatted = task.formatted(sampled.texts) if task.formatted is not None else []
+    formatted = task.formatted_rows(sampled) if task.formatted is not None else []
     shards = [(per_prompt, lengths, formatted)]
     shards = gather_object(shards) if world > 1 else shards
     per_prompt = [x for shard, _, _ in shards for x in shard]

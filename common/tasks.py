@@ -49,7 +49,8 @@ class Task:
     name: str
     train: Dataset
     test: Dataset
-    reward: Callable[[list[str], list[str]], list[float]] | None  # None for a multi-turn task: its environment rewards
+    reward: Callable[[list[str], list[str]], list[float]] | None  # None for a multi-turn task (its environment rewards;
+    # gsm8k-turns keeps gsm8k_reward for its single-turn --extra-eval-data-path sets)
     max_new_tokens: int  # default completion budget for this task (of one model turn, for a multi-turn task)
     env: Callable[[str], object] | None = None  # multi-turn: answer -> a fresh environment (common/multiturn.py) or None
     formatted: Callable[[list[str]], list[bool]] | None = None  # whether each completion gives its answer in the task's format
@@ -61,6 +62,14 @@ class Task:
         a row it cannot serve: gsm8k-turns' --extra-eval-data-path sets, whose answers are final numbers, single-turn)."""
         envs = None if self.env is None else [self.env(a) for a in answers]
         return None if envs is None or any(e is None for e in envs) else envs
+
+    def formatted_rows(self, batch) -> list[bool]:
+        """Whether each sampled row gives its answer in the task's format (self.formatted): a trajectory by its last
+        model turn, once the environment asked for the final answer (its observations are not the model's)."""
+        if batch.turn_texts is None:
+            return self.formatted(batch.texts)
+        last = self.formatted([turns[-1] if turns else "" for turns in batch.turn_texts])
+        return [f and done for f, done in zip(last, batch.finished.tolist())]
 
     def score(self, batch, answers: list[str], rows=None, parts: dict | None = None) -> tuple[list[float], list[bool]]:
         """The reward of each row and whether it succeeded (what pass@k counts): the environment's reward
@@ -368,16 +377,24 @@ LAST_TURN = "Now give the final answer after '####'."
 TURNS_MAX_TOKENS = 1024  # a trajectory's model and environment tokens after the prompt
 
 
+def step_results(solution: str) -> list[Decimal]:
+    """The result of each line of a worked solution above '####' that computes one (its last '= N'), repeats kept,
+    and the last line's dropped where it is the final answer (the final turn asks for that): the turns before the last."""
+    lines = solution.rsplit("####", 1)[0].splitlines()
+    results = [as_decimal(found[-1]) for line in lines if (found := _RESULT.findall(line))]
+    return results[:-1] if results and results[-1] == extract_number(solution) else results
+
+
 class StepsEnv:
     """A worked solution asked one step at a time (the chain task's design on word problems): turn k asks for the
-    k-th intermediate result (intermediate_results), the last turn for the final answer; a turn is right if the number
-    it gives (extract_number) is that result, and earns 1 / N of the N turns; the trajectory succeeds if the final
-    answer is right. A one-step problem is one turn: the single-turn task with gsm8k_reward."""
+    k-th line's result (step_results), the last turn for the final answer; a turn is right if the number it gives
+    (extract_number: the one after '####', else its last) is that result, and earns 1 / N of the N turns; the
+    trajectory succeeds if the final answer is right. A one-step problem is one turn: the single-turn task."""
 
     max_tokens = TURNS_MAX_TOKENS
 
     def __init__(self, solution: str):
-        self.results = [*intermediate_results(solution), extract_number(solution)]
+        self.results = [*step_results(solution), extract_number(solution)]
         self.max_turns = len(self.results)
         self.turn, self.success = 0, False
 
@@ -399,13 +416,17 @@ def gsm8k_turns_task(data_path: str | None, eval_data_path: str | None, num_test
     answer column holds the worked solution the environment reads."""
     single = gsm8k_task(data_path, eval_data_path, num_test)
 
-    def turns(rows: Dataset) -> Dataset:
+    def turns(rows: Dataset, source: str) -> Dataset:
+        for i, r in enumerate(rows):
+            if "####" not in r["solution"]:
+                raise ConfigError(f"{source} row {i}: --task gsm8k-turns needs a worked answer ending in '#### N'")
         return Dataset.from_list([{
             "prompt": r["prompt"].removesuffix(GSM8K_INSTRUCTION)
-            + (TURNS_INSTRUCTION if intermediate_results(r["solution"]) else GSM8K_INSTRUCTION),
+            + (TURNS_INSTRUCTION if step_results(r["solution"]) else GSM8K_INSTRUCTION),
             "answer": r["solution"], "solution": r["solution"]} for r in rows])
 
-    return Task("gsm8k-turns", turns(single.train), turns(single.test), gsm8k_reward, max_new_tokens=256,
+    train_source, test_source = data_path or "openai/gsm8k train", eval_data_path or data_path or "openai/gsm8k test"
+    return Task("gsm8k-turns", turns(single.train, train_source), turns(single.test, test_source), gsm8k_reward, max_new_tokens=256,
                 env=lambda answer: StepsEnv(answer) if "####" in answer else None, formatted=gsm8k_formatted)
 
 

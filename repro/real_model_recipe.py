@@ -32,8 +32,23 @@ RECIPES = {  # name: flags
     # partial credit per intermediate result: multi-step prompts whose 8 completions all miss still rank them
     "stepwise_lr1e-5": ["--reward", "common.tasks:gsm8k_reward", "common.tasks:gsm8k_format_reward",
                         "common.tasks:gsm8k_steps_reward", "--reward-weights", "1", "0.2", "0.5", "--lr", "1e-5"],
+    # multi-turn: the same problems asked one step a turn, each right turn credited (--task gsm8k-turns); the held-out
+    # problems are evaluated multi-turn (eval/) and single-turn as the other recipes see them (eval/test/)
+    "turns_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
+                     str(DATA / "test.jsonl"), "--lr", "1e-5"],
 }
-SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"))
+SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"), ("eval/test/", "held-out, single-turn"))
+
+
+def with_recipe(base: list[str], recipe: list[str]) -> list[str]:
+    """The base flags with those the recipe sets (--task, --extra-eval-data-path) taken out, then the recipe's."""
+    named = {f for f in recipe if f.startswith("--")}
+    kept, skip = [], False
+    for f in base:
+        skip = f in named or (skip and not f.startswith("--"))
+        if not skip:
+            kept.append(f)
+    return [*kept, *recipe]
 
 
 @dataclass
@@ -80,7 +95,8 @@ def main(args: Args) -> None:
         if recipe not in RECIPES or not seed.isdigit():
             raise SystemExit(f"--runs {run!r}: expected recipe:seed, the recipe one of {', '.join(RECIPES)}")
         plan.append((recipe, int(seed)))
-    jobs = [Job(f"{recipe}_s{seed}", "grpo.py", [*flags(args), *RECIPES[recipe], "--seed", str(seed)]) for recipe, seed in plan]
+    jobs = [Job(f"{recipe}_s{seed}", "grpo.py", [*with_recipe(flags(args), RECIPES[recipe]), "--seed", str(seed)])
+            for recipe, seed in plan]
     runs = run_jobs(jobs, args.output_dir, workers=1)
     keys = [("pass@1", "pass@1"), ("pass@k", "pass@4"), ("greedy", "greedy"), ("format_rate", "format"),
             ("mean_length", "length")]
@@ -96,7 +112,7 @@ def main(args: Args) -> None:
         trained = [r for r in run["rows"] if "policy/grad_norm" in r]
         moved = sum(r["frac_reward_zero_std"] < 1 for r in trained)
         cut = sum(r["completions/clipped_frac"] for r in trained) / len(trained)
-        for prefix, name in SETS:
+        for prefix, name in [(prefix, name) for prefix, name in SETS if prefix + "pass@1" in last]:
             cells = " | ".join(cell(first, last, prefix + k) for k, _ in keys)
             rise = f"{rise_in_se(first, last, prefix + 'pass@1'):.1f}, {rise_in_se(first, last, prefix + 'greedy'):.1f}"
             lines.append(f"| {recipe} | {seed} | {name} | {cells} | {rise} | {moved} of {len(trained)} | {100 * cut:.0f} % | "
@@ -113,7 +129,7 @@ def main(args: Args) -> None:
     for i, job in enumerate(jobs):
         e = evals(runs[job.name]["rows"])
         steps = [r["step"] for r in e]
-        for ax, (prefix, name) in zip(axes, SETS):
+        for ax, (prefix, name) in zip(axes, SETS[:2]):  # held-out (multi-turn for turns_lr1e-5) and transfer
             ax.errorbar(steps, [r[prefix + "pass@1"] for r in e], yerr=[r[prefix + "pass@1_se"] for r in e], fmt="o-",
                         color=f"C{i}", label=job.name, capsize=2)
             ax.set(xlabel="step", ylabel=f"{name} pass@1 (± se)")

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tyro
-from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
-from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
+from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
+from runner import ROOT, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
@@ -67,6 +67,8 @@ class Args:
     """held-out pass@1 for steps and seconds to target"""
     output_dir: str = "runs/repro_real_model_staleness"
     name: str = "real_model_staleness"
+    finished_only: bool = False
+    """tabulate the runs of --arms x --seeds that have finished and start none (a study spread over sessions)"""
     check_k0: bool = False
     """first run grpo.py and async_grpo.py --mode emulated --max-staleness 0 for 2 steps on this model and stop
     unless their logged numbers are identical"""
@@ -128,8 +130,8 @@ def main(args: Args) -> None:
             raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
     if args.recipe not in RECIPES:
         raise SystemExit(f"--recipe: unknown recipe {args.recipe!r} (choose from {', '.join(RECIPES)})")
-    base = [*recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
-            *RECIPES[args.recipe]]
+    base = with_recipe(recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
+                       RECIPES[args.recipe])
     if args.check_k0:
         check_k0(base, args.output_dir)
     plan = [(arm, seed) for arm in args.arms for seed in (args.seeds if arm != "threaded" else [0])]
@@ -142,6 +144,9 @@ def main(args: Args) -> None:
         return Job(f"{arm}_s{seed}", ARMS[arm][0], [*base, *ARMS[arm][1], *cache, "--seed", str(seed)])
 
     jobs = {(arm, seed): job(arm, seed) for arm, seed in plan}
+    if args.finished_only:  # a study spread over sessions: tabulate what has finished, start nothing
+        jobs = {(arm, seed): j for (arm, seed), j in jobs.items()
+                if (ROOT / (RecipeArgs().output_dir if arm == "K0" else args.output_dir) / j.name / "done.json").exists()}
     done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir),
             **run_jobs([j for (arm, _), j in jobs.items() if arm != "K0"], args.output_dir)}
     runs = {key: done[j.name] for key, j in sorted(jobs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1]))}
@@ -151,7 +156,8 @@ def main(args: Args) -> None:
 
     lines = [f"`python repro/real_model_staleness.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} "
              f"--steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
-             + (f" --output-dir {args.output_dir} --name {args.name}" if args.name != "real_model_staleness" else "") + "`",
+             + (f" --output-dir {args.output_dir} --name {args.name}" if args.name != "real_model_staleness" else "")
+             + (" --finished-only" if args.finished_only else "") + "`",
              "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
              "clipped low, high (%) | format reward, cut (last 10 steps) | collapsed | wall time (s) |", "|---" * 14 + "|"]

@@ -1,8 +1,10 @@
 """Multi-turn trajectories: model turns and environment observations interleaved in one sequence."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from conftest import ROOT, assert_same_samples, latest_weights, small_args
+from conftest import assert_same_samples, latest_weights, small_args
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import async_grpo
@@ -10,11 +12,13 @@ import gapo
 import grpo
 import is_grpo
 import ppo
+from common import word_problems
 from common.cli import ConfigError
 from common.logging import read_metrics
-from common.multiturn import turn_metrics, turn_stats
+from common.multiturn import chat_observations, turn_metrics, turn_stats
 from common.rollout import rollout, select_rows, token_logprobs
-from common.tasks import GSM8K_INSTRUCTION, LAST_TURN, NEXT_TURN, TURNS_INSTRUCTION, ChainEnv, StepsEnv, load_task, running_sums
+from common.tasks import (GSM8K_INSTRUCTION, LAST_TURN, NEXT_TURN, TURNS_INSTRUCTION, ChainEnv, StepsEnv, load_task, running_sums,
+                          step_results)
 
 EOS = 2
 
@@ -142,7 +146,9 @@ def test_by_turn_statistics_add_up_over_micro_batches():
 
 
 # ---------------------------------------------------------------- word problems, one step a turn (gsm8k-turns)
-WORD_DATA = ROOT / "data" / "word_problems"
+@pytest.fixture(scope="module")
+def word_files(tmp_path_factory):
+    return [str(p) for p in word_problems.write(tmp_path_factory.mktemp("word_problems"), n_train=40, n_test=16)]
 
 
 def test_word_problem_env_asks_each_step_then_the_final_answer_and_credits_each_turn():
@@ -155,20 +161,55 @@ def test_word_problem_env_asks_each_step_then_the_final_answer_and_credits_each_
     assert one.max_turns == 1 and one.step("#### 30") == ("", 0.0, True) and not one.success
 
 
-def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_turn():
-    task = load_task("gsm8k-turns", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "test.jsonl"), num_test=8,
-                     extra_eval_paths=[str(WORD_DATA / "transfer.jsonl")])
-    single = load_task("gsm8k", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "test.jsonl"), num_test=8)
-    row, plain = task.test[0], single.test[0]
-    assert row["answer"] == plain["solution"] and row["prompt"].endswith(TURNS_INSTRUCTION)  # a 3-step problem
-    assert row["prompt"].removesuffix(TURNS_INSTRUCTION) == plain["prompt"].removesuffix(GSM8K_INSTRUCTION)
-    assert task.test[1]["prompt"] == single.test[1]["prompt"]  # one step: the single-turn prompt
-    envs = task.envs(task.test["answer"])
-    assert [e.max_turns for e in envs[:2]] == [3, 1]
-    transfer = task.extra_tests["transfer"]
-    assert task.envs(transfer["answer"]) is None  # final numbers: evaluated single-turn, scored by gsm8k_reward
-    assert transfer["prompt"] == load_task("gsm8k", str(WORD_DATA / "train.jsonl"), str(WORD_DATA / "transfer.jsonl"),
-                                           num_test=8).test["prompt"]
+def test_each_line_is_a_turn_even_when_its_result_repeats_or_equals_the_final_answer():
+    # 18, 25, 18 with final 18: turn 1 asks for 18, turn 2 for 25, the last for the final 18
+    assert step_results("a: 3 x 6 = 18.\nb: 18 + 7 = 25.\nc: 25 - 7 = 18.\n#### 18") == [18, 25]
+    assert step_results("a: 2 x 5 = 10.\nb: 10 + 2 = 12.\nc: 12 x 1 = 12.\nd: 12 + 3 = 15.\n#### 15") == [10, 12, 12]
+    assert step_results("Natalia sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72.\n#### 72") == [24]
+    env = StepsEnv("a: 3 x 6 = 18.\nb: 18 + 7 = 25.\nc: 25 - 7 = 18.\n#### 18")
+    assert [env.step(x)[1] for x in ("18", "25", "#### 18")] == pytest.approx([1 / 3] * 3) and env.success
+
+
+def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_turn(word_files):
+    train, test, transfer = word_files
+    task = load_task("gsm8k-turns", train, test, num_test=16, extra_eval_paths=[transfer])
+    single = load_task("gsm8k", train, test, num_test=16)
+    steps = [len(word_problems.solution_steps(a)) for a in single.test["solution"]]
+    many, one = steps.index(max(steps)), steps.index(1)
+    assert max(steps) > 1 and task.test[many]["answer"] == single.test[many]["solution"]
+    assert task.test[many]["prompt"] == single.test[many]["prompt"].removesuffix(GSM8K_INSTRUCTION) + TURNS_INSTRUCTION
+    assert task.test[one]["prompt"] == single.test[one]["prompt"]  # one step: the single-turn prompt
+    assert [e.max_turns for e in task.envs(task.test["answer"])] == steps
+    assert task.envs(task.extra_tests["transfer"]["answer"]) is None  # final numbers: single-turn, scored by gsm8k_reward
+    assert task.extra_tests["transfer"]["prompt"] == load_task("gsm8k", train, transfer, num_test=16).test["prompt"]
+
+
+def test_gsm8k_turns_refuses_a_row_without_a_worked_answer(tmp_path, word_files):
+    bad = tmp_path / "test.jsonl"
+    bad.write_text('{"question": "q1", "answer": "1 + 1 = 2.\\n#### 2"}\n{"question": "q2", "answer": "42"}\n')
+    with pytest.raises(ConfigError, match=r"test.jsonl row 1: --task gsm8k-turns needs a worked answer"):
+        load_task("gsm8k-turns", word_files[0], str(bad))
+
+
+def test_a_trajectory_is_formatted_by_its_last_turn_once_asked_for_the_final_answer(word_files):
+    """The observation asking for the final answer itself contains '####': the trajectory's text would count."""
+    task = load_task("gsm8k-turns", *word_files[:2])
+    batch = SimpleNamespace(texts=[f"30{LAST_TURN}18", f"30{LAST_TURN}#### 18", f"30{LAST_TURN}#### 18"],
+                            turn_texts=[["30", "18"], ["30", "#### 18"], ["30", "#### 18"]],
+                            finished=torch.tensor([True, True, False]))
+    assert task.formatted(batch.texts) == [True, True, True]  # what the whole text would have said
+    assert task.formatted_rows(batch) == [False, True, False]
+
+
+def test_a_chat_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    """Observations are appended token by token: a template that renders an earlier turn differently once a later one
+    follows (here: earlier assistant turns dropped) cannot be continued, and is refused in one line."""
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'user' or loop.last %}{{ m.content }}|{% endif %}"
+                               "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
+    with pytest.raises(ConfigError, match="rewrites earlier turns"):
+        chat_observations(tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}.{% endfor %}{% if add_generation_prompt %}!{% endif %}"
+    assert chat_observations(tokenizer)("next", ".") == "<user>next.!"  # the model's turn ended on its end text
 
 
 def test_bad_chain_names_are_refused():

@@ -16,7 +16,7 @@ from common.cli import ConfigError
 from common.logging import read_metrics
 from common.models import REAL_MODELS, cache_dir, eos_token_ids, load_model, load_tokenizer, resolve_model
 from common.rollout import rollout, token_logprobs
-from common.tasks import gsm8k_formatted, load_task
+from common.tasks import LAST_TURN, NEXT_TURN, gsm8k_formatted, load_task
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -155,6 +155,37 @@ def test_grpo_trains_smollm2_on_word_problems_for_two_steps(tmp_path, smollm2, p
     assert rows[1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-9)
     weights = latest_weights(tmp_path / "run")
     assert weights.num_parameters() == 134_515_008 and next(weights.parameters()).dtype == torch.float32
+
+
+# ---------------------------------------------------------------- gsm8k-turns: word problems one step a turn
+def test_a_multi_turn_trajectory_on_smollm2_is_the_chat_templates_conversation(smollm2, problems):
+    """Each observation goes in as a user message of SmolLM2's chat template, so the whole trajectory reads as the
+    template renders the conversation of its turns: whether a model turn ended on <|im_end|> or ran out of budget."""
+    model, tokenizer = load_model(smollm2).eval(), load_tokenizer(smollm2)
+    task = load_task("gsm8k-turns", str(problems[0]), str(problems[1]))
+    row = next(r for r in task.test if r["prompt"].endswith("first step only."))  # a multi-step problem
+    for budget in (48, 3):  # 3 tokens: no turn ends by itself
+        out = rollout(model, tokenizer, [row["prompt"]], [(0,)], budget, 0.0, eos_token_ids(model, tokenizer), "cpu",
+                      envs=task.envs([row["answer"]]))
+        asked = [row["prompt"], *(NEXT_TURN for _ in out.turn_texts[0][1:-1]), LAST_TURN][: len(out.turn_texts[0])]
+        conversation = [m for question, answer in zip(asked, out.turn_texts[0])
+                        for m in ({"role": "user", "content": question}, {"role": "assistant", "content": answer})]
+        expected = tokenizer.apply_chat_template(conversation, tokenize=False)
+        ids = torch.cat([out.prompt_ids[0][out.prompt_mask[0].bool()], out.completion_ids[0][out.attention_mask[0].bool()]])
+        ended = ids[-1].item() in eos_token_ids(model, tokenizer)  # the template closes the last turn; a cut one is open
+        assert len(out.turn_texts[0]) >= 2 and ended == (budget == 48)
+        assert tokenizer.decode(ids, clean_up_tokenization_spaces=False) == expected.removesuffix("\n" if ended else "<|im_end|>\n")
+
+
+def test_grpo_trains_smollm2_on_word_problems_one_step_a_turn(tmp_path, smollm2, problems):
+    train, test, transfer = map(str, problems)
+    grpo.main(small_args(grpo, tmp_path, model=SMOLLM2, task="gsm8k-turns", data_path=train, eval_data_path=test,
+                         steps=2, prompts_per_step=2, num_generations=2, max_new_tokens=8, eval_prompts=2, eval_samples=2,
+                         eval_k=1, eval_every=0, lr=1e-5, extra_eval_data_path=[transfer]))
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert {"eval/pass@1", "eval/transfer/pass@1", "eval/transfer/format_rate"} <= set(rows[0])  # multi- and single-turn
+    assert "turns/clip_frac_t1" in rows[2] and rows[2]["completions/mean_length"] > 0
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -15,6 +15,7 @@ from common import word_problems
 from common.cli import ConfigError
 from common.logging import read_metrics
 from common.models import REAL_MODELS, cache_dir, eos_token_ids, load_model, load_tokenizer, resolve_model
+from common.multiturn import chat_observations
 from common.rollout import rollout, token_logprobs
 from common.tasks import LAST_TURN, NEXT_TURN, gsm8k_formatted, load_task
 
@@ -164,7 +165,8 @@ def test_a_multi_turn_trajectory_on_smollm2_is_the_chat_templates_conversation(s
     model, tokenizer = load_model(smollm2).eval(), load_tokenizer(smollm2)
     task = load_task("gsm8k-turns", str(problems[0]), str(problems[1]))
     row = next(r for r in task.test if r["prompt"].endswith("first step only."))  # a multi-step problem
-    for budget in (48, 3):  # 3 tokens: no turn ends by itself
+    eos, closed = eos_token_ids(model, tokenizer), []
+    for budget in (128, 3):  # 3 tokens: no turn ends by itself
         out = rollout(model, tokenizer, [row["prompt"]], [(0,)], budget, 0.0, eos_token_ids(model, tokenizer), "cpu",
                       envs=task.envs([row["answer"]]))
         asked = [row["prompt"], *(NEXT_TURN for _ in out.turn_texts[0][1:-1]), LAST_TURN][: len(out.turn_texts[0])]
@@ -172,9 +174,17 @@ def test_a_multi_turn_trajectory_on_smollm2_is_the_chat_templates_conversation(s
                         for m in ({"role": "user", "content": question}, {"role": "assistant", "content": answer})]
         expected = tokenizer.apply_chat_template(conversation, tokenize=False)
         ids = torch.cat([out.prompt_ids[0][out.prompt_mask[0].bool()], out.completion_ids[0][out.attention_mask[0].bool()]])
-        ended = ids[-1].item() in eos_token_ids(model, tokenizer)  # the template closes the last turn; a cut one is open
-        assert len(out.turn_texts[0]) >= 2 and ended == (budget == 48)
+        ended = ids[-1].item() in eos  # the template closes the last turn; a turn cut at the budget is open
+        assert len(out.turn_texts[0]) >= 2
         assert tokenizer.decode(ids, clean_up_tokenization_spaces=False) == expected.removesuffix("\n" if ended else "<|im_end|>\n")
+        closed.append(sum(t in eos for t in out.completion_ids[0][out.completion_mask[0].bool()].tolist()))
+    assert closed[1] == 0  # every turn cut by the budget
+    # a turn the model ends itself (greedy SmolLM2 writes past 128 tokens here): its <|im_end|> is not closed twice
+    chat, turn = chat_observations(tokenizer), tokenizer("18", add_special_tokens=False)["input_ids"] + eos[:1]
+    text = tokenizer.decode(turn + tokenizer(chat(NEXT_TURN, tokenizer.decode(eos[:1])), add_special_tokens=False)["input_ids"])
+    two = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "18"}, {"role": "user", "content": NEXT_TURN}]
+    rendered = tokenizer.apply_chat_template(two, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith(text) and rendered[: -len(text)].endswith("<|im_start|>assistant\n")
 
 
 def test_grpo_trains_smollm2_on_word_problems_one_step_a_turn(tmp_path, smollm2, problems):

@@ -113,7 +113,7 @@ def test_extra_held_out_files_are_read_as_the_eval_file_is_and_named_by_their_fi
     transfer = write(tmp_path, "transfer.jsonl", GSM8K_ROWS[2:])
     task = load_task("gsm8k", train, test, extra_eval_paths=[transfer])
     assert list(task.extra_tests) == ["transfer"] and task.extra_tests["transfer"]["answer"] == ["3.5", "-3"]
-    with pytest.raises(ConfigError, match="--extra-eval-data-path is for --task gsm8k, math or data"):
+    with pytest.raises(ConfigError, match="--extra-eval-data-path is for --task gsm8k, gsm8k-turns, math or data"):
         load_task("reverse", extra_eval_paths=[transfer])
     with pytest.raises(ConfigError, match="two files are named transfer"):
         load_task("gsm8k", train, test, extra_eval_paths=[transfer, transfer])

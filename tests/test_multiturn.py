@@ -15,6 +15,7 @@ import ppo
 from common import word_problems
 from common.cli import ConfigError
 from common.logging import read_metrics
+from common.models import char_tokenizer
 from common.multiturn import chat_observations, turn_metrics, turn_stats
 from common.rollout import rollout, select_rows, token_logprobs
 from common.tasks import (GSM8K_INSTRUCTION, LAST_TURN, NEXT_TURN, TURNS_INSTRUCTION, ChainEnv, StepsEnv, load_task, running_sums,
@@ -201,9 +202,10 @@ def test_a_trajectory_is_formatted_by_its_last_turn_once_asked_for_the_final_ans
     assert task.formatted_rows(batch) == [False, True, False]
 
 
-def test_a_chat_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+def test_a_chat_template_that_rewrites_earlier_turns_is_refused():
     """Observations are appended token by token: a template that renders an earlier turn differently once a later one
     follows (here: earlier assistant turns dropped) cannot be continued, and is refused in one line."""
+    tokenizer = char_tokenizer()  # its own: the session's tokenizer fixture must keep no template
     tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'user' or loop.last %}{{ m.content }}|{% endif %}"
                                "{% endfor %}{% if add_generation_prompt %}>{% endif %}")
     with pytest.raises(ConfigError, match="rewrites earlier turns"):

@@ -33,9 +33,10 @@ RECIPES = {  # name: flags
     "stepwise_lr1e-5": ["--reward", "common.tasks:gsm8k_reward", "common.tasks:gsm8k_format_reward",
                         "common.tasks:gsm8k_steps_reward", "--reward-weights", "1", "0.2", "0.5", "--lr", "1e-5"],
     # multi-turn: the same problems asked one step a turn, each right turn credited (--task gsm8k-turns); the held-out
-    # problems are evaluated multi-turn (eval/) and single-turn as the other recipes see them (eval/test/)
+    # problems are evaluated multi-turn (eval/) and single-turn as the other recipes see them (eval/test/); trained one
+    # group (of the 4) a micro-batch: trajectories ~3x a turn long, all 32 at once ran out of the machine's 24 GB
     "turns_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
-                     str(DATA / "test.jsonl"), "--lr", "1e-5"],
+                     str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4"],
 }
 SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"), ("eval/test/", "held-out, single-turn"))
 

@@ -1,0 +1,140 @@
+"""GRPO against PPO beyond the critic, on SmolLM2-135M-Instruct (issue 34, part 4; question 1 of the README).
+
+    python repro/real_model_ppo.py                          # every arm x --seeds, one at a time, then the table
+    python repro/real_model_ppo.py --arms equal --seeds 0
+
+ppo.py on real_model_recipe.py's chosen recipe (the same 4 prompts x 8 completions a step, T 0.7, 128 new tokens,
+shaped reward, lr 1e-5, no KL penalty: --kl-coef 0 for grpo.py's --beta 0, and no extra penalty for a completion
+without EOS, so both algorithms see the same rewards), against the recipe's own grpo.py runs (their kept logs,
+repro/results/logs/repro_real_model_recipe/). What differs is the advantage estimator (a learned value and GAE
+against the group mean) and how many optimiser steps a batch gets. Arms (ARMS below):
+- defaults: ppo.py's defaults, 4 epochs x 4 minibatches = 16 optimiser steps a batch, the value head on the
+  policy's body (its gradient flows through the shared body).
+- equal: 1 epoch x 1 minibatch, one optimiser step a batch as grpo.py's recipe takes: the critic apart from the
+  number of steps.
+- equal_separate: as equal, with the value function a separate copy of the model (--critic separate): the value
+  loss's gradient kept out of the policy's body.
+Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
+sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
+after the epochs, the value's explained variance, collapse, wall time and peak memory. Writes
+repro/results/<name>.{md,png}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import tyro
+from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
+from runner import LOGS, ROOT, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, read_log, run_jobs, save_table
+
+ARMS = {  # name: ppo.py flags on top of the recipe's
+    "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
+    "equal": ["--ppo-epochs", "1", "--minibatches", "1"],
+    "equal_separate": ["--ppo-epochs", "1", "--minibatches", "1", "--critic", "separate"],
+}
+
+
+@dataclass
+class Args:
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    steps: int = 40
+    eval_every: int = 20
+    eval_prompts: int = 100
+    target: float = 0.18
+    """held-out pass@1 for the steps to target"""
+    output_dir: str = "runs/repro_real_model_ppo"
+    name: str = "real_model_ppo"
+    finished_only: bool = False
+    """tabulate the runs of --arms x --seeds that have finished and start none (a study spread over sessions)"""
+
+
+def ppo_flags(args: Args) -> list[str]:
+    """The recipe's grpo.py flags, spoken to ppo.py: --beta 0 becomes --kl-coef 0 (no reference model is loaded)."""
+    base = with_recipe(recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
+                       RECIPES["shaped_lr1e-5"])
+    i = base.index("--beta")
+    return [*base[:i], "--kl-coef", base[i + 1], *base[i + 2:], "--no-eos-penalty", "None"]
+
+
+def grpo_run(seed: int) -> dict | None:
+    """The recipe's grpo.py run of this seed from its kept log (metrics rows, wall time, peak memory), if there is one."""
+    path = LOGS / "repro_real_model_recipe" / f"shaped_lr1e-5_s{seed}.jsonl"
+    if not path.exists():
+        return None
+    return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1])}
+
+
+def main(args: Args) -> None:
+    for arm in args.arms:
+        if arm not in ARMS:
+            raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
+    base = ppo_flags(args)
+    cache = ["--eval-cache", str(ROOT / "runs" / "eval_cache")]
+    jobs = {(arm, seed): Job(f"{arm}_s{seed}", "ppo.py", [*base, *ARMS[arm], *cache, "--seed", str(seed)])
+            for arm in args.arms for seed in args.seeds}
+    if args.finished_only:
+        jobs = {key: j for key, j in jobs.items() if (ROOT / args.output_dir / j.name / "done.json").exists()}
+    done = run_jobs(list(jobs.values()), args.output_dir)
+    runs = {("grpo.py", seed): run for seed in args.seeds if (run := grpo_run(seed))}
+    runs |= {key: done[j.name] for key, j in jobs.items()}
+    for run in runs.values():
+        run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
+
+    lines = [f"`python repro/real_model_ppo.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} --steps "
+             f"{args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
+             + (f" --name {args.name}" if args.name != "real_model_ppo" else "") + (" --finished-only" if args.finished_only else "")
+             + "`", "",
+             "grpo.py: the recipe's own runs (repro/results/logs/repro_real_model_recipe/shaped_lr1e-5_s<seed>.jsonl).", "",
+             "| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
+             f"steps to {args.target} | sampling, training s a step | ratio max (mean, max over steps) | clipped (%) | "
+             "approx KL after the epochs | value explained variance (last 10) | collapsed | wall time (s) | peak memory (MB) |",
+             "|---" * 14 + "|"]
+    for (arm, seed), run in runs.items():
+        rows, e = run["rows"], evals(run["rows"])
+        trained = [r for r in rows if "time/train_s" in r]
+        reach = first_step_reaching(rows, "eval/pass@1", args.target)
+        clipped = 100 * (over_steps(trained, "policy/clip_frac_low") + over_steps(trained, "policy/clip_frac_high"))
+        ev = over_steps(trained[-10:], "value/explained_variance")
+        cells = [arm, str(seed),
+                 *(f"{e[0][p + 'pass@1']:.3f} ± {e[0][p + 'pass@1_se']:.3f} -> {e[-1][p + 'pass@1']:.3f} ± "
+                   f"{e[-1][p + 'pass@1_se']:.3f}" for p in ("eval/", "eval/transfer/")),
+                 f"{e[0]['eval/greedy']:.2f} -> {e[-1]['eval/greedy']:.2f}", "never" if reach is None else str(reach),
+                 f"{over_steps(trained, 'time/rollout_s'):.1f}, {over_steps(trained, 'time/train_s'):.1f}",
+                 f"{over_steps(trained, 'policy/ratio_max'):.3g}, {over_steps(trained, 'policy/ratio_max', max):.3g}",
+                 f"{clipped:.2f}", f"{over_steps(trained, 'policy/approx_kl'):.2g}" if arm != "grpo.py" else "–",
+                 "–" if ev != ev else f"{ev:.2f}", "yes" if collapsed(rows) else "no", f"{run['wall_s']:.0f}",
+                 f"{run['peak_rss_mb']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    arms = ["grpo.py", *args.arms]
+    finals = {arm: [run["rows"] for (a, _), run in runs.items() if a == arm] for arm in arms}
+    lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
+        f"{arm} {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])}" for arm, rows in finals.items() if rows)]
+    out = save_table(args.name, "\n".join(lines) + "\n")
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for i, arm in enumerate(arms):
+        for j, rows in enumerate(finals[arm]):
+            e, label = evals(rows), arm if j == 0 else None
+            trained = [r for r in rows if "time/train_s" in r]
+            axes[0].errorbar([r["step"] for r in e], [r["eval/pass@1"] for r in e], yerr=[r["eval/pass@1_se"] for r in e],
+                             color=f"C{i}", marker="o", capsize=2, alpha=0.8, label=label)
+            axes[1].plot([r["step"] for r in trained], [r["reward/mean"] for r in trained], color=f"C{i}", alpha=0.8, label=label)
+            axes[2].plot([r["step"] for r in trained], [r["policy/ratio_max"] for r in trained], color=f"C{i}", alpha=0.8,
+                         label=label)
+    axes[0].axhline(args.target, color="grey", lw=0.5)
+    axes[0].set(xlabel="step", ylabel="held-out pass@1 (± se)")
+    axes[1].set(xlabel="step", ylabel="training reward (mean)")
+    axes[2].set(xlabel="step", ylabel="largest ratio pi_theta / pi_old", yscale="log")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{args.name}.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

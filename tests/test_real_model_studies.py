@@ -1,0 +1,37 @@
+"""The real-model studies' settings: repro/real_model_ppo.py asks ppo.py what grpo.py's recipe asks, and the recipes
+of repro/real_model_recipe.py fit the 24 GB machine they are run on."""
+
+import sys
+
+import grpo
+import ppo
+import tyro
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "repro"))
+from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
+from real_model_recipe import RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
+
+SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
+          "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
+          "reward_weights", "lr"]
+
+
+def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_critic():
+    recipe = tyro.cli(grpo.Args, args=with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]))
+    for arm, extra in ARMS.items():
+        args = tyro.cli(ppo.Args, args=[*ppo_flags(Args()), *extra])
+        ppo.check_args(args, num_processes=1)
+        assert {k: getattr(args, k) for k in SHARED} == {k: getattr(recipe, k) for k in SHARED}, arm
+        assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
+        assert args.ppo_epochs * args.minibatches == (16 if arm == "defaults" else 1)
+        assert args.critic == ("separate" if arm == "equal_separate" else "head")
+
+
+def test_the_multi_turn_recipe_trains_one_group_at_a_time():
+    """Its trajectories (every turn and observation of a problem) are about three single-turn completions long; all 32
+    in one forward were killed by the 24 GB machine's out-of-memory killer at the first step. Micro-batches of one
+    group each accumulate the same one-batch update (tests/test_grpo.py) in about a quarter of the activations."""
+    args = tyro.cli(grpo.Args, args=with_recipe(flags(RecipeArgs()), RECIPES["turns_lr1e-5"]))
+    grpo.check_args(args, num_processes=1)
+    assert args.task == "gsm8k-turns" and args.minibatches == args.prompts_per_step and args.num_iterations == 1

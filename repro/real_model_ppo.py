@@ -14,6 +14,9 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
   number of steps.
 - equal_separate: as equal, with the value function a separate copy of the model (--critic separate): the value
   loss's gradient kept out of the policy's body.
+- equal_lam1: as equal, with GAE's lam = 1 (Monte-Carlo returns: every token's advantage is R - V(s_t), the whole
+  reward, as in grpo.py where every token gets its sequence's advantage): isolates the decay of the reward's credit
+  along a long completion.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
 after the epochs, the value's explained variance, collapse, wall time and peak memory. Writes
@@ -23,6 +26,7 @@ repro/results/<name>.{md,png}.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 
 import tyro
@@ -33,6 +37,9 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
     "equal": ["--ppo-epochs", "1", "--minibatches", "1"],
     "equal_separate": ["--ppo-epochs", "1", "--minibatches", "1", "--critic", "separate"],
+    # the mechanism of equal's collapse to "#### N" (repro/README.md): GAE's lam = 0.95 gives a token 100 tokens before
+    # the reward 0.95^100 = 0.6 % of it, a 4-token answer all of it; lam = 1 gives every token R - V(s_t)
+    "equal_lam1": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0"],
 }
 
 
@@ -97,7 +104,8 @@ def main(args: Args) -> None:
         trained = [r for r in rows if "time/train_s" in r]
         reach = first_step_reaching(rows, "eval/pass@1", args.target)
         clipped = 100 * (over_steps(trained, "policy/clip_frac_low") + over_steps(trained, "policy/clip_frac_high"))
-        ev = over_steps(trained[-10:], "value/explained_variance")
+        ev = over_steps(trained[-10:], "value/explained_variance", statistics.median)  # a mean is swamped by steps whose
+        # returns are all equal (1 - var(R - V) / var(R) with var(R) ~ 0)
         cells = [arm, str(seed),
                  *(f"{e[0][p + 'pass@1']:.3f} ± {e[0][p + 'pass@1_se']:.3f} -> {e[-1][p + 'pass@1']:.3f} ± "
                    f"{e[-1][p + 'pass@1_se']:.3f}" for p in ("eval/", "eval/transfer/")),

@@ -26,6 +26,7 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
         assert args.ppo_epochs * args.minibatches == (16 if arm == "defaults" else 1)
         assert args.critic == ("separate" if arm == "equal_separate" else "head")
+        assert args.lam == (1.0 if arm == "equal_lam1" else 0.95) and args.gamma == 1.0
 
 
 def test_the_multi_turn_recipe_trains_one_group_at_a_time():

@@ -97,7 +97,7 @@ def main(args: Args) -> None:
              "grpo.py: the recipe's own runs (repro/results/logs/repro_real_model_recipe/shaped_lr1e-5_s<seed>.jsonl).", "",
              "| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | sampling, training s a step | ratio max (mean, max over steps) | clipped (%) | "
-             "approx KL after the epochs | value explained variance (last 10) | collapsed | wall time (s) | peak memory (MB) |",
+             "approx KL after the epochs | value explained variance (median, last 10) | collapsed | wall time (s) | peak memory (MB) |",
              "|---" * 14 + "|"]
     for (arm, seed), run in runs.items():
         rows, e = run["rows"], evals(run["rows"])

@@ -5,22 +5,34 @@ import sys
 
 import grpo
 import ppo
+import pytest
 import tyro
 from conftest import ROOT
 
+from common import word_problems
+
 sys.path.insert(0, str(ROOT / "repro"))
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
-from real_model_recipe import RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
+from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
 
 SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
           "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
           "reward_weights", "lr"]
 
 
-def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_critic():
-    recipe = tyro.cli(grpo.Args, args=with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]))
+@pytest.fixture(scope="module")
+def here(tmp_path_factory):
+    """The studies' flags with their data files (data/word_problems/, written by the recipe on its first run and not in
+    git) in a temporary folder, so that check_args finds them on a fresh clone."""
+    folder = tmp_path_factory.mktemp("word_problems")
+    word_problems.write(folder, n_train=16, n_test=8)
+    return lambda args: [a.replace(str(DATA), str(folder)) for a in args]
+
+
+def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_critic(here):
+    recipe = tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"])))
     for arm, extra in ARMS.items():
-        args = tyro.cli(ppo.Args, args=[*ppo_flags(Args()), *extra])
+        args = tyro.cli(ppo.Args, args=here([*ppo_flags(Args()), *extra]))
         ppo.check_args(args, num_processes=1)
         assert {k: getattr(args, k) for k in SHARED} == {k: getattr(recipe, k) for k in SHARED}, arm
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
@@ -29,10 +41,10 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
         assert args.lam == (1.0 if arm == "equal_lam1" else 0.95) and args.gamma == 1.0
 
 
-def test_the_multi_turn_recipe_trains_one_group_at_a_time():
+def test_the_multi_turn_recipe_trains_one_group_at_a_time(here):
     """Its trajectories (every turn and observation of a problem) are about three single-turn completions long; all 32
     in one forward were killed by the 24 GB machine's out-of-memory killer at the first step. Micro-batches of one
     group each accumulate the same one-batch update (tests/test_grpo.py) in about a quarter of the activations."""
-    args = tyro.cli(grpo.Args, args=with_recipe(flags(RecipeArgs()), RECIPES["turns_lr1e-5"]))
+    args = tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES["turns_lr1e-5"])))
     grpo.check_args(args, num_processes=1)
     assert args.task == "gsm8k-turns" and args.minibatches == args.prompts_per_step and args.num_iterations == 1

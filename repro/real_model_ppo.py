@@ -28,10 +28,11 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import LOGS, ROOT, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, read_log, run_jobs, save_table
+from runner import LOGS, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, read_log, run_jobs, save_table
 
 ARMS = {  # name: ppo.py flags on top of the recipe's
     "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
@@ -79,14 +80,12 @@ def main(args: Args) -> None:
         if arm not in ARMS:
             raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
     base = ppo_flags(args)
-    cache = ["--eval-cache", str(ROOT / "runs" / "eval_cache")]
+    cache = ["--eval-cache", str(Path(args.output_dir).parent / "eval_cache")]  # shared with the staleness study
     jobs = {(arm, seed): Job(f"{arm}_s{seed}", "ppo.py", [*base, *ARMS[arm], *cache, "--seed", str(seed)])
             for arm in args.arms for seed in args.seeds}
-    if args.finished_only:
-        jobs = {key: j for key, j in jobs.items() if (ROOT / args.output_dir / j.name / "done.json").exists()}
-    done = run_jobs(list(jobs.values()), args.output_dir)
+    done = run_jobs(list(jobs.values()), args.output_dir, start=not args.finished_only)
     runs = {("grpo.py", seed): run for seed in args.seeds if (run := grpo_run(seed))}
-    runs |= {key: done[j.name] for key, j in jobs.items()}
+    runs |= {key: done[j.name] for key, j in jobs.items() if j.name in done}
     for run in runs.values():
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import ROOT, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
+from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
@@ -144,12 +144,11 @@ def main(args: Args) -> None:
         return Job(f"{arm}_s{seed}", ARMS[arm][0], [*base, *ARMS[arm][1], *cache, "--seed", str(seed)])
 
     jobs = {(arm, seed): job(arm, seed) for arm, seed in plan}
-    if args.finished_only:  # a study spread over sessions: tabulate what has finished, start nothing
-        jobs = {(arm, seed): j for (arm, seed), j in jobs.items()
-                if (ROOT / (RecipeArgs().output_dir if arm == "K0" else args.output_dir) / j.name / "done.json").exists()}
-    done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir),
-            **run_jobs([j for (arm, _), j in jobs.items() if arm != "K0"], args.output_dir)}
-    runs = {key: done[j.name] for key, j in sorted(jobs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1]))}
+    start = not args.finished_only
+    done = {**run_jobs([j for (arm, _), j in jobs.items() if arm == "K0"], RecipeArgs().output_dir, start=start),
+            **run_jobs([j for (arm, _), j in jobs.items() if arm != "K0"], args.output_dir, start=start)}
+    runs = {key: done[j.name] for key, j in sorted(jobs.items(), key=lambda kv: (list(ARMS).index(kv[0][0]), kv[0][1]))
+            if j.name in done}
     for run in runs.values():  # a longer run (the recipe's K = 0) is read up to --steps: lr is constant, so its
         run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]

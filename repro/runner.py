@@ -24,9 +24,12 @@ class Job:
     flags: list[str]
 
 
-def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1) -> dict[str, dict]:
-    """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads.
+def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = True) -> dict[str, dict]:
+    """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads; with start=False
+    run none and read those that have finished (a study spread over sessions: --finished-only).
     Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
+    if not start:
+        jobs = [job for job in jobs if (ROOT / output_dir / job.name / "done.json").exists()]
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 
     def one(job: Job) -> tuple[str, dict]:

@@ -11,6 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import word_problems  # noqa: E402
 from common.embedded import tiny_llama_config  # noqa: E402
 from common.models import char_tokenizer  # noqa: E402
 
@@ -24,6 +25,12 @@ TIMING_KEYS = ("time/", "throughput/")
 @pytest.fixture(scope="session")
 def tokenizer():
     return char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def problems(tmp_path_factory) -> tuple[str, str, str]:
+    """The offline GSM8K-format word problems (common/word_problems.py): train, test and transfer files."""
+    return tuple(map(str, word_problems.write(tmp_path_factory.mktemp("word_problems"), n_train=64, n_test=16)))
 
 
 @pytest.fixture

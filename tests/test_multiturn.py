@@ -147,11 +147,6 @@ def test_by_turn_statistics_add_up_over_micro_batches():
 
 
 # ---------------------------------------------------------------- word problems, one step a turn (gsm8k-turns)
-@pytest.fixture(scope="module")
-def word_files(tmp_path_factory):
-    return [str(p) for p in word_problems.write(tmp_path_factory.mktemp("word_problems"), n_train=40, n_test=16)]
-
-
 def test_word_problem_env_asks_each_step_then_the_final_answer_and_credits_each_turn():
     env = StepsEnv("The flowers cost 5 x 6 = 30 dollars.\nWith the bag: 30 + 6 = 36 dollars.\nChange: 54 - 36 = 18 dollars.\n#### 18")
     assert env.max_turns == 3 and env.reset("Q") == "Q"
@@ -171,8 +166,8 @@ def test_each_line_is_a_turn_even_when_its_result_repeats_or_equals_the_final_an
     assert [env.step(x)[1] for x in ("18", "25", "#### 18")] == pytest.approx([1 / 3] * 3) and env.success
 
 
-def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_turn(word_files):
-    train, test, transfer = word_files
+def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_turn(problems):
+    train, test, transfer = problems
     task = load_task("gsm8k-turns", train, test, num_test=16, extra_eval_paths=[transfer])
     single = load_task("gsm8k", train, test, num_test=16)
     steps = [len(word_problems.solution_steps(a)) for a in single.test["solution"]]
@@ -185,16 +180,16 @@ def test_gsm8k_turns_serves_its_rows_one_step_a_turn_and_its_extra_sets_single_t
     assert task.extra_tests["transfer"]["prompt"] == load_task("gsm8k", train, transfer, num_test=16).test["prompt"]
 
 
-def test_gsm8k_turns_refuses_a_row_without_a_worked_answer(tmp_path, word_files):
+def test_gsm8k_turns_refuses_a_row_without_a_worked_answer(tmp_path, problems):
     bad = tmp_path / "test.jsonl"
     bad.write_text('{"question": "q1", "answer": "1 + 1 = 2.\\n#### 2"}\n{"question": "q2", "answer": "42"}\n')
     with pytest.raises(ConfigError, match=r"test.jsonl row 1: --task gsm8k-turns needs a worked answer"):
-        load_task("gsm8k-turns", word_files[0], str(bad))
+        load_task("gsm8k-turns", problems[0], str(bad))
 
 
-def test_a_trajectory_is_formatted_by_its_last_turn_once_asked_for_the_final_answer(word_files):
+def test_a_trajectory_is_formatted_by_its_last_turn_once_asked_for_the_final_answer(problems):
     """The observation asking for the final answer itself contains '####': the trajectory's text would count."""
-    task = load_task("gsm8k-turns", *word_files[:2])
+    task = load_task("gsm8k-turns", *problems[:2])
     batch = SimpleNamespace(texts=[f"30{LAST_TURN}18", f"30{LAST_TURN}#### 18", f"30{LAST_TURN}#### 18"],
                             turn_texts=[["30", "18"], ["30", "#### 18"], ["30", "#### 18"]],
                             finished=torch.tensor([True, True, False]))

@@ -27,11 +27,6 @@ def smollm2() -> str:
     return resolve_model(SMOLLM2, "gsm8k")  # converted into the cache on first use (about 30 s), then read from it
 
 
-@pytest.fixture(scope="module")
-def problems(tmp_path_factory):
-    return word_problems.write(tmp_path_factory.mktemp("word_problems"), n_train=64, n_test=16)
-
-
 # ---------------------------------------------------------------- --model: clear errors, before any work
 def test_a_missing_local_model_directory_is_a_one_line_error(tmp_path, problems):
     with pytest.raises(ConfigError, match=r"^--model ./no-such-model: no such directory$"):

@@ -2,14 +2,13 @@
 of repro/real_model_recipe.py fit the 24 GB machine they are run on."""
 
 import sys
+from pathlib import Path
 
 import grpo
 import ppo
 import pytest
 import tyro
 from conftest import ROOT
-
-from common import word_problems
 
 sys.path.insert(0, str(ROOT / "repro"))
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
@@ -20,13 +19,12 @@ SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path"
           "reward_weights", "lr"]
 
 
-@pytest.fixture(scope="module")
-def here(tmp_path_factory):
+@pytest.fixture
+def here(problems):
     """The studies' flags with their data files (data/word_problems/, written by the recipe on its first run and not in
-    git) in a temporary folder, so that check_args finds them on a fresh clone."""
-    folder = tmp_path_factory.mktemp("word_problems")
-    word_problems.write(folder, n_train=16, n_test=8)
-    return lambda args: [a.replace(str(DATA), str(folder)) for a in args]
+    git) taken from conftest's problems instead, so that check_args finds them on a fresh clone."""
+    folder = str(Path(problems[0]).parent)
+    return lambda args: [a.replace(str(DATA), folder) for a in args]
 
 
 def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_critic(here):
@@ -38,7 +36,7 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
         assert args.ppo_epochs * args.minibatches == (16 if arm == "defaults" else 1)
         assert args.critic == ("separate" if arm == "equal_separate" else "head")
-        assert args.lam == (1.0 if arm == "equal_lam1" else 0.95) and args.gamma == 1.0
+        assert args.lam == pytest.approx(1.0 if arm == "equal_lam1" else 0.95) and args.gamma == pytest.approx(1.0)
 
 
 def test_the_multi_turn_recipe_trains_one_group_at_a_time(here):

@@ -17,6 +17,9 @@ def test_a_longer_job_extends_a_finished_shorter_run(tmp_path):
     first = run_jobs([short], str(tmp_path / "extended"))["run"]
     again = run_jobs([short], str(tmp_path / "extended"))["run"]  # finished: not run again
     assert again["wall_s"] == first["wall_s"]
+    never = Job("never", "grpo.py", FLAGS)  # start=False (--finished-only): the finished run read, no other started
+    assert list(run_jobs([short, never], str(tmp_path / "extended"), start=False)) == ["run"]
+    assert not (tmp_path / "extended" / "never").exists()
     extended = run_jobs([long], str(tmp_path / "extended"))["run"]
     whole = run_jobs([long], str(tmp_path / "whole"))["run"]
     assert [r["step"] for r in extended["rows"] if "loss" in r] == [1, 2, 3, 4]

@@ -29,12 +29,15 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
     run none and read those that have finished (a study spread over sessions: --finished-only).
     Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
     if not start:
-        jobs = [job for job in jobs if (ROOT / output_dir / job.name / "done.json").exists()]
+        jobs = [job for job in jobs if (ROOT / output_dir / job.name / "done.json").exists() or kept(job, output_dir)]
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 
     def one(job: Job) -> tuple[str, dict]:
         run_dir = ROOT / output_dir / job.name
         done = run_dir / "done.json"
+        if not done.exists() and (log := kept(job, output_dir)):  # finished on another machine: its kept log
+            lines = log.read_text().splitlines()
+            return job.name, {"rows": read_log(log), **json.loads(lines[-1])}
         before = json.loads(done.read_text()) if done.exists() else {}
         if not before or shorter(run_dir, job):  # not run yet, or a finished shorter run: extended from its last checkpoint
             resume = ["--resume", str(run_dir)] if before else []
@@ -70,6 +73,16 @@ def keep_log(job: Job, run_dir: Path, output_dir: str) -> None:
     out = LOGS / Path(output_dir).name / f"{job.name}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text((run_dir / "metrics.jsonl").read_text() + (run_dir / "done.json").read_text())
+
+
+def kept(job: Job, output_dir: str) -> Path | None:
+    """The kept log of a finished run at least as long as the job (runs/ does not survive a fresh machine, the logs
+    in git do: a finished run is read from it rather than run again; a shorter one has no checkpoint to extend)."""
+    log = LOGS / Path(output_dir).name / f"{job.name}.jsonl"
+    if not log.exists():
+        return None
+    steps = int(job.flags[job.flags.index("--steps") + 1]) if "--steps" in job.flags else 0
+    return log if read_log(log)[-1]["step"] >= steps else None
 
 
 def shorter(run_dir: Path, job: Job) -> bool:

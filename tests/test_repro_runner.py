@@ -2,11 +2,13 @@
 checkpoint, logging what an uninterrupted run of the longer length logs."""
 
 import json
+import shutil
 import sys
 
 from conftest import ROOT, SMALL, without_timing
 
 sys.path.insert(0, str(ROOT / "repro"))
+import runner  # noqa: E402
 from runner import Job, run_jobs  # noqa: E402
 
 FLAGS = [x for key, value in SMALL.items() for x in (f"--{key.replace('_', '-')}", str(value))]  # the tests' small run
@@ -26,3 +28,21 @@ def test_a_longer_job_extends_a_finished_shorter_run(tmp_path):
     assert without_timing(extended["rows"]) == without_timing(whole["rows"])
     done = json.loads((tmp_path / "extended" / "run" / "done.json").read_text())
     assert done["extended_from"] == 2 and done["wall_s"] > first["wall_s"]
+
+
+def test_a_run_whose_log_was_kept_is_read_from_it_not_run_again(tmp_path, monkeypatch):
+    """runs/ does not survive a fresh machine, repro/results/logs/ (in git) does: a finished run's kept log stands in."""
+    monkeypatch.setattr(runner, "LOGS", tmp_path / "logs")
+    job = Job("run", "grpo.py", [*FLAGS, "--steps", "2"])
+    first = run_jobs([job], str(tmp_path / "study"))["run"]
+    kept = tmp_path / "logs" / "study" / "run.jsonl"  # what keep_log writes for a real-model run
+    kept.parent.mkdir(parents=True)
+    run_dir = tmp_path / "study" / "run"
+    kept.write_text((run_dir / "metrics.jsonl").read_text() + (run_dir / "done.json").read_text())
+    shutil.rmtree(run_dir)  # a fresh machine: the run directory is gone
+    for start in (True, False):
+        again = run_jobs([job], str(tmp_path / "study"), start=start)["run"]
+        assert not run_dir.exists()  # not run again
+        assert again["rows"] == first["rows"] and again["wall_s"] == first["wall_s"]
+    longer = Job("run", "grpo.py", [*FLAGS, "--steps", "3"])  # no checkpoint to extend from: run whole
+    assert [r["step"] for r in run_jobs([longer], str(tmp_path / "study"))["run"]["rows"] if "loss" in r] == [1, 2, 3]

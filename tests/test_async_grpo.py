@@ -81,6 +81,26 @@ def test_none_clips_the_ratio_to_the_behaviour_policy():
     assert stats["clip_high"].item() == 1 and stats["clip_low"].item() == 1
 
 
+def test_at_one_pass_decoupled_without_a_cap_is_the_bypass_with_its_clip_opened():
+    """On a batch's first pass pi_theta = pi_old (u = 1), so r = w u = w: decoupled's w * min(u A, clip(u) A) and
+    the bypass's min(r A, clip(r) A) with the clip opened have the same gradient, w A per token. Neither bounds the
+    weight (tis truncates it at C): the real-model study's K4_decoupled and K4_none_noclip runs (repro/README.md,
+    "Corrections at K = 4 on the real model") are this one objective, equal in their logs up to float rounding."""
+    log_w = [torch.log(torch.tensor(w)).item() for w in (0.3, 0.9, 1.6, 4.0, 9.0)]
+    logps, old, behav, A, mask = one_token_batch(log_w=log_w, log_u=[0.0] * 5, advantages=[1.0, -1.0, 1.0, -0.5, 2.0])
+    decoupled, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="decoupled"), 5, mask.sum())
+    opened = loss_args(correction="none", eps_low=0.999, eps_high=1e6)  # the study's K4_none_noclip arm
+    bypass, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, opened, 5, mask.sum())
+    (grad_decoupled,) = torch.autograd.grad(decoupled, logps)
+    (grad_bypass,) = torch.autograd.grad(bypass, logps)
+    w = torch.exp(torch.tensor(log_w))
+    assert grad_decoupled[:, 0].tolist() == pytest.approx((-w * A / 5).tolist(), rel=1e-5)
+    assert grad_bypass[:, 0].tolist() == pytest.approx(grad_decoupled[:, 0].tolist(), rel=1e-5)
+    tis, _ = async_grpo.async_loss(logps, old, behav, None, A, mask, loss_args(correction="tis"), 5, mask.sum())
+    (grad_tis,) = torch.autograd.grad(tis, logps)
+    assert grad_tis[3:, 0].tolist() == pytest.approx((-2.0 * A[3:] / 5).tolist())  # w = 4, 9 truncated to C = 2
+
+
 def test_m2po_masks_the_largest_second_moments_until_the_rest_is_within_the_threshold():
     log_w = torch.tensor([[0.0, 0.1, 0.3, 1.0, 7.0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding: never counted, never kept

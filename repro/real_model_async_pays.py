@@ -67,6 +67,14 @@ def crossing(points: list[tuple[int, float]], level: float) -> float | None:
     return None
 
 
+def step_efficiency(k0: list[tuple[int, float]], final: tuple[int, float]) -> float:
+    """E / N: K = 0's curve reaches the stale run's final pass@1 after E steps, the stale run took N; 0 where it ended
+    at or below K = 0's start (a collapse), inf where K = 0 never reaches it."""
+    step, p = final
+    reached = crossing(k0, p)
+    return float("inf") if reached is None else reached / step
+
+
 def curve(rows: list[dict]) -> list[tuple[int, float]]:
     return [(e["step"], e["eval/pass@1"]) for e in evals(rows)]
 
@@ -118,7 +126,7 @@ def main(args: Args) -> None:
             continue
         K = int(arm[1])
         finals = {s: curve(r)[-1] for s, r in seeds.items()}
-        eff = {s: (crossing(curve(k0[s]), p) or float("inf")) / step for s, (step, p) in finals.items()}
+        eff = {s: step_efficiency(curve(k0[s]), final) for s, final in finals.items()}
         efficiency[arm] = eff
         reach = {s: crossing(curve(r), args.target) for s, r in seeds.items()}
         ratios = []
@@ -151,6 +159,8 @@ def main(args: Args) -> None:
         if arm == "K0":
             continue
         e = statistics.mean(min(x, 1e9) for x in eff.values())
+        if e == 0:  # ended below the base model: never reaches K = 0's accuracy, at any share
+            continue
         ax.plot(grid, [max(f, 1 - f) / min(e, 1e9) for f in grid], label=f"{arm} (e = {e:.2f})")
     ax.axhline(1, color="k", lw=0.8, ls="--")
     ax.axvspan(0.4, 0.6, color="0.9", label="measured here")

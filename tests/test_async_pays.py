@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "repro"))
-from real_model_async_pays import crossing, seconds_to, share  # noqa: E402
+from real_model_async_pays import crossing, seconds_to, share, step_efficiency  # noqa: E402
 
 
 def test_crossing_is_linear_between_evaluations():
@@ -26,3 +26,10 @@ def test_a_step_costs_s_plus_l_synchronously_and_the_larger_share_plus_the_push_
     assert seconds_to(rows, 2.0, 0.4, 4, push=0.5) == pytest.approx(2 * (6.0 + 0.5))  # overlapped: max(4, 6) + push
     assert seconds_to(rows, 2.0, 0.8, 4, push=0.0) == pytest.approx(16.0)  # the share is the model's parameter
     assert seconds_to(rows, 1.5, 0.5, 4, push=0.0) == pytest.approx(7.5)  # a fractional step: linear inside it
+
+
+def test_step_efficiency_is_the_share_of_k0s_steps_a_stale_step_is_worth():
+    k0 = [(0, 0.10), (20, 0.20), (40, 0.30)]
+    assert step_efficiency(k0, (40, 0.20)) == pytest.approx(0.5)  # K = 0 got there in 20 steps, the stale run in 40
+    assert step_efficiency(k0, (40, 0.05)) == 0.0  # a collapse below the base model: worth nothing, not "pays"
+    assert step_efficiency(k0, (40, 0.35)) == float("inf")  # beyond K = 0's reach

@@ -26,20 +26,19 @@ class Job:
 
 def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = True) -> dict[str, dict]:
     """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads; with start=False
-    run none and read those that have finished (a study spread over sessions: --finished-only).
+    run none and read those that have finished, to the job's --steps (a study spread over sessions: --finished-only).
     Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
-    if not start:
-        jobs = [job for job in jobs if (ROOT / output_dir / job.name / "done.json").exists() or kept(job, output_dir)]
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 
-    def one(job: Job) -> tuple[str, dict]:
+    def one(job: Job) -> tuple[str, dict | None]:
         run_dir = ROOT / output_dir / job.name
         done = run_dir / "done.json"
-        if not done.exists() and (log := kept(job, output_dir)):  # finished on another machine: its kept log
-            lines = log.read_text().splitlines()
-            return job.name, {"rows": read_log(log), **json.loads(lines[-1])}
+        if not done.exists() and (run := kept(job, output_dir)):  # finished on another machine: its kept log
+            return job.name, run
         before = json.loads(done.read_text()) if done.exists() else {}
         if not before or shorter(run_dir, job):  # not run yet, or a finished shorter run: extended from its last checkpoint
+            if not start:
+                return job.name, None
             resume = ["--resume", str(run_dir)] if before else []
             if before:
                 before["extended_from"] = read_metrics(run_dir)[-1]["step"]
@@ -58,7 +57,7 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
         return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}
 
     with ThreadPoolExecutor(workers) as pool:
-        return dict(pool.map(one, jobs))
+        return {name: run for name, run in pool.map(one, jobs) if run is not None}
 
 
 LOGS = ROOT / "repro" / "results" / "logs"
@@ -75,23 +74,26 @@ def keep_log(job: Job, run_dir: Path, output_dir: str) -> None:
     out.write_text((run_dir / "metrics.jsonl").read_text() + (run_dir / "done.json").read_text())
 
 
-def kept(job: Job, output_dir: str) -> Path | None:
-    """The kept log of a finished run at least as long as the job (runs/ does not survive a fresh machine, the logs
-    in git do: a finished run is read from it rather than run again; a shorter one has no checkpoint to extend)."""
+def kept(job: Job, output_dir: str) -> dict | None:
+    """The run as run_jobs returns it, from the kept log of a finished run at least as long as the job (runs/ does not
+    survive a fresh machine, the logs in git do; a shorter one has no checkpoint to extend); None if there is none."""
     log = LOGS / Path(output_dir).name / f"{job.name}.jsonl"
     if not log.exists():
         return None
-    steps = int(job.flags[job.flags.index("--steps") + 1]) if "--steps" in job.flags else 0
-    return log if read_log(log)[-1]["step"] >= steps else None
+    rows = read_log(log)
+    done = json.loads(log.read_text().splitlines()[-1])  # keep_log's last line: done.json
+    return {"rows": rows, **done} if rows[-1]["step"] >= steps(job) else None
+
+
+def steps(job: Job) -> int:
+    """The job's --steps (0 if it leaves the script's default)."""
+    return int(job.flags[job.flags.index("--steps") + 1]) if "--steps" in job.flags else 0
 
 
 def shorter(run_dir: Path, job: Job) -> bool:
     """Whether the finished run in run_dir stopped before the job's --steps (so the job extends it by resuming;
     async_grpo.py's emulated mode and grpo.py resume exactly, tested in tests/test_async_grpo.py and test_checkpoint.py)."""
-    if "--steps" not in job.flags:
-        return False
-    steps = int(job.flags[job.flags.index("--steps") + 1])
-    return json.loads((run_dir / "args.json").read_text())["steps"] < steps
+    return json.loads((run_dir / "args.json").read_text())["steps"] < steps(job)
 
 
 def read_log(path: Path) -> list[dict]:

@@ -31,5 +31,5 @@ def test_a_step_costs_s_plus_l_synchronously_and_the_larger_share_plus_the_push_
 def test_step_efficiency_is_the_share_of_k0s_steps_a_stale_step_is_worth():
     k0 = [(0, 0.10), (20, 0.20), (40, 0.30)]
     assert step_efficiency(k0, (40, 0.20)) == pytest.approx(0.5)  # K = 0 got there in 20 steps, the stale run in 40
-    assert step_efficiency(k0, (40, 0.05)) == 0.0  # a collapse below the base model: worth nothing, not "pays"
+    assert step_efficiency(k0, (40, 0.05)) == pytest.approx(0.0)  # a collapse below the base model: worth nothing, not "pays"
     assert step_efficiency(k0, (40, 0.35)) == float("inf")  # beyond K = 0's reach

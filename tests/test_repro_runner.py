@@ -22,6 +22,7 @@ def test_a_longer_job_extends_a_finished_shorter_run(tmp_path):
     never = Job("never", "grpo.py", FLAGS)  # start=False (--finished-only): the finished run read, no other started
     assert list(run_jobs([short, never], str(tmp_path / "extended"), start=False)) == ["run"]
     assert not (tmp_path / "extended" / "never").exists()
+    assert run_jobs([long], str(tmp_path / "extended"), start=False) == {}  # nor a shorter finished run extended
     extended = run_jobs([long], str(tmp_path / "extended"))["run"]
     whole = run_jobs([long], str(tmp_path / "whole"))["run"]
     assert [r["step"] for r in extended["rows"] if "loss" in r] == [1, 2, 3, 4]
@@ -35,10 +36,8 @@ def test_a_run_whose_log_was_kept_is_read_from_it_not_run_again(tmp_path, monkey
     monkeypatch.setattr(runner, "LOGS", tmp_path / "logs")
     job = Job("run", "grpo.py", [*FLAGS, "--steps", "2"])
     first = run_jobs([job], str(tmp_path / "study"))["run"]
-    kept = tmp_path / "logs" / "study" / "run.jsonl"  # what keep_log writes for a real-model run
-    kept.parent.mkdir(parents=True)
     run_dir = tmp_path / "study" / "run"
-    kept.write_text((run_dir / "metrics.jsonl").read_text() + (run_dir / "done.json").read_text())
+    runner.keep_log(Job("run", "grpo.py", ["--model", "real"]), run_dir, str(tmp_path / "study"))  # as a real model's
     shutil.rmtree(run_dir)  # a fresh machine: the run directory is gone
     for start in (True, False):
         again = run_jobs([job], str(tmp_path / "study"), start=start)["run"]

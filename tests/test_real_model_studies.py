@@ -4,6 +4,7 @@ of repro/real_model_recipe.py fit the 24 GB machine they are run on."""
 import sys
 from pathlib import Path
 
+import async_grpo
 import grpo
 import ppo
 import pytest
@@ -13,6 +14,7 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "repro"))
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
+from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
 
 SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
           "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
@@ -37,6 +39,26 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
         assert args.ppo_epochs * args.minibatches == (16 if arm == "defaults" else 1)
         assert args.critic == ("separate" if arm == "equal_separate" else "head")
         assert args.lam == pytest.approx(1.0 if arm == "equal_lam1" else 0.95) and args.gamma == pytest.approx(1.0)
+
+
+def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):
+    """K4_tis_cap5 is K4_tis with C = 5, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2, K4_none_2iter K4_none at
+    two passes, K4_none_noclip K4_none with the clip opened: a misspelt flag would fail a 30-minute run at its start,
+    a forgotten one would run the wrong question."""
+    recipe = with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"])
+    parsed = {}
+    for arm, (script, extra) in STALENESS_ARMS.items():
+        module = grpo if script == "grpo.py" else async_grpo
+        parsed[arm] = tyro.cli(module.Args, args=here([*recipe, *extra]))
+        module.check_args(parsed[arm], num_processes=1)
+    differs = lambda a, b: {k for k in vars(parsed[a]) if getattr(parsed[a], k) != getattr(parsed[b], k)}  # noqa: E731
+    assert differs("K4_tis_cap5", "K4_tis") == {"tis_cap"} and parsed["K4_tis_cap5"].tis_cap == pytest.approx(5)
+    assert differs("K4_decoupled_cap2", "K4_decoupled") == {"decoupled_cap"}
+    assert parsed["K4_decoupled_cap2"].decoupled_cap == pytest.approx(2)
+    assert differs("K4_none_2iter", "K4_none") == {"num_iterations"} and parsed["K4_none_2iter"].num_iterations == 2
+    assert differs("K4_none_noclip", "K4_none") == {"eps_low", "eps_high", "save_every"}
+    assert differs("K4_tis", "K4_none") == {"correction"} and differs("K4_none", "K2_none") == {"max_staleness"}
+    assert all(parsed[arm].max_staleness == int(arm[1]) for arm in STALENESS_ARMS if arm.startswith("K") and arm != "K0")
 
 
 def test_the_multi_turn_recipe_trains_one_group_at_a_time(here):

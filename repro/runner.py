@@ -80,8 +80,8 @@ def kept(job: Job, output_dir: str) -> dict | None:
     log = LOGS / Path(output_dir).name / f"{job.name}.jsonl"
     if not log.exists():
         return None
-    rows = read_log(log)
-    done = json.loads(log.read_text().splitlines()[-1])  # keep_log's last line: done.json
+    lines = [json.loads(line) for line in log.read_text().splitlines()]  # metrics rows, then done.json (keep_log)
+    rows, done = [row for row in lines if "step" in row], lines[-1]
     return {"rows": rows, **done} if rows[-1]["step"] >= steps(job) else None
 
 

@@ -51,7 +51,10 @@ def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_say
         module = grpo if script == "grpo.py" else async_grpo
         parsed[arm] = tyro.cli(module.Args, args=here([*recipe, *extra]))
         module.check_args(parsed[arm], num_processes=1)
-    differs = lambda a, b: {k for k in vars(parsed[a]) if getattr(parsed[a], k) != getattr(parsed[b], k)}  # noqa: E731
+
+    def differs(a: str, b: str) -> set[str]:
+        return {k for k in vars(parsed[a]) if getattr(parsed[a], k) != getattr(parsed[b], k)}
+
     assert differs("K4_tis_cap5", "K4_tis") == {"tis_cap"} and parsed["K4_tis_cap5"].tis_cap == pytest.approx(5)
     assert differs("K4_decoupled_cap2", "K4_decoupled") == {"decoupled_cap"}
     assert parsed["K4_decoupled_cap2"].decoupled_cap == pytest.approx(2)

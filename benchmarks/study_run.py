@@ -62,14 +62,19 @@ def read(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if run_dir.is_dir() else []
 
 
+def grpo_flags(args: Args) -> list[str]:
+    """grpo.py's flags of every arm: the recipe study's shaped_lr1e-5 run of --seed (repro/real_model_recipe.py)."""
+    base = recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts))
+    return [*base, *RECIPES["shaped_lr1e-5"], "--seed", str(args.seed)]
+
+
 def run(arm: str, args: Args) -> dict:
     """Run one arm in its own process (unless it finished); its metrics rows, wall time and peak RSS."""
     out = ROOT / args.output_dir
     run_dir, done = out / arm, out / arm / "done.json"
     if done.exists():
         return {**json.loads(done.read_text()), "rows": read(run_dir)}
-    base = recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts))
-    flags = [*base, *RECIPES["shaped_lr1e-5"], "--seed", str(args.seed), "--output-dir", str(out), "--run-name", arm]
+    flags = [*grpo_flags(args), "--output-dir", str(out), "--run-name", arm]
     if arm == "before" and args.baseline is None:
         raise SystemExit("--baseline: a checkout of the code before is needed for the `before` arm")
     cwd = Path(args.baseline).resolve() if arm == "before" else ROOT

@@ -67,12 +67,18 @@ def ppo_flags(args: Args) -> list[str]:
     return [*base[:i], "--kl-coef", base[i + 1], *base[i + 2:], "--no-eos-penalty", "None"]
 
 
+# a seed's grpo.py run: the recipe study's, else benchmarks/study_run.py's `after` arm (the same flags and seed, run
+# with the products, oneDNN's, of the code that runs ppo.py now)
+GRPO_LOGS = ("repro_real_model_recipe/shaped_lr1e-5_s{seed}.jsonl", "bench_study_run_onednn/K0_s{seed}_after.jsonl")
+
+
 def grpo_run(seed: int) -> dict | None:
-    """The recipe's grpo.py run of this seed from its kept log (metrics rows, wall time, peak memory), if there is one."""
-    path = LOGS / "repro_real_model_recipe" / f"shaped_lr1e-5_s{seed}.jsonl"
-    if not path.exists():
-        return None
-    return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1])}
+    """The recipe's grpo.py run of this seed from its kept log (metrics rows, wall time, peak memory), if there is one:
+    the recipe study's own, else the study-run benchmark's run of the same flags (seed 2 has only that one)."""
+    for path in (LOGS / name.format(seed=seed) for name in GRPO_LOGS):
+        if path.exists():
+            return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1]), "log": path.relative_to(LOGS)}
+    return None
 
 
 def main(args: Args) -> None:
@@ -93,7 +99,8 @@ def main(args: Args) -> None:
              f"{args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
              + (f" --name {args.name}" if args.name != "real_model_ppo" else "") + (" --finished-only" if args.finished_only else "")
              + "`", "",
-             "grpo.py: the recipe's own runs (repro/results/logs/repro_real_model_recipe/shaped_lr1e-5_s<seed>.jsonl).", "",
+             "grpo.py: the recipe's own runs, from their kept logs in repro/results/logs/: " + ", ".join(
+                 f"seed {seed} {run['log']}" for (arm, seed), run in runs.items() if arm == "grpo.py") + ".", "",
              "| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | sampling, training s a step | ratio max (mean, max over steps) | clipped (%) | "
              "approx KL after the epochs | value explained variance (median, last 10) | collapsed | wall time (s) | peak memory (MB) |",

@@ -41,6 +41,16 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
         assert args.lam == pytest.approx(1.0 if arm == "equal_lam1" else 0.95) and args.gamma == pytest.approx(1.0)
 
 
+def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
+    """real_model_ppo.py compares seed 2 with benchmarks/study_run.py's kept run (the recipe study has no seed 2)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import study_run
+
+    bench = tyro.cli(grpo.Args, args=here(study_run.grpo_flags(study_run.Args())))
+    recipe = tyro.cli(grpo.Args, args=here([*with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]), "--seed", "2"]))
+    assert bench.seed == 2 and vars(bench) == vars(recipe)
+
+
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):
     """K4_tis_cap5 is K4_tis with C = 5, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2, K4_none_2iter K4_none at
     two passes, K4_none_noclip K4_none with the clip opened: a misspelt flag would fail a 30-minute run at its start,

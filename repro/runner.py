@@ -24,20 +24,26 @@ class Job:
     flags: list[str]
 
 
+STOPPED = 130  # the scripts' exit status after Ctrl-C or SIGTERM: the step finished, a checkpoint written
+
+
 def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = True) -> dict[str, dict]:
     """Run each job (skipping finished ones), `workers` at a time, each with 2 // workers threads; with start=False
     run none and read those that have finished, to the job's --steps (a study spread over sessions: --finished-only).
+    A run stopped by SIGTERM or Ctrl-C (`pkill -TERM -f 'run-name <name>'` at a session's end: it finishes its step and
+    checkpoints) stops the study; the same command resumes it from that checkpoint, wall time and peak memory summed
+    over the pieces.
     Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 
     def one(job: Job) -> tuple[str, dict | None]:
         run_dir = ROOT / output_dir / job.name
-        done = run_dir / "done.json"
+        done, stopped = run_dir / "done.json", run_dir / "stopped.json"
         if not done.exists() and (run := kept(job, output_dir)):  # finished on another machine: its kept log
             return job.name, run
-        before = json.loads(done.read_text()) if done.exists() else {}
-        if not before or shorter(run_dir, job):  # not run yet, or a finished shorter run: extended from its last checkpoint
-            if not start:
+        before = json.loads((done if done.exists() else stopped).read_text()) if done.exists() or stopped.exists() else {}
+        if not done.exists() or shorter(run_dir, job):  # not run yet, stopped, or a finished shorter run: extended from
+            if not start:  # its last checkpoint
                 return job.name, None
             resume = ["--resume", str(run_dir)] if before else []
             if before:
@@ -47,11 +53,17 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
                                      "--run-name", job.name], cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     env={**os.environ, "OMP_NUM_THREADS": threads})
             _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
-            if status != 0:
-                raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {status}")
             wall = time.time() - t0 + before.get("wall_s", 0.0)  # all the pieces
-            peak = max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))
-            done.write_text(json.dumps({**before, "wall_s": wall, "peak_rss_mb": peak}) + "\n")
+            piece = {**before, "wall_s": wall, "peak_rss_mb": max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))}
+            code = os.waitstatus_to_exitcode(status)  # wait4's status is encoded (exit 130 reads 33280)
+            if code == STOPPED:
+                stopped.write_text(json.dumps(piece) + "\n")
+                raise SystemExit(f"{job.name}: stopped at step {read_metrics(run_dir)[-1]['step']} (checkpointed); the same "
+                                 "command extends it")
+            if code != 0:
+                raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {code}")
+            done.write_text(json.dumps(piece) + "\n")
+            stopped.unlink(missing_ok=True)
             print(f"  {job.name}: {wall:.0f}s", flush=True)
         keep_log(job, run_dir, output_dir)  # every real-model run read, whether run now or before
         return job.name, {"rows": read_metrics(run_dir), **json.loads(done.read_text())}

@@ -1,9 +1,15 @@
-"""The reproductions' runner: a finished run is reused, and a longer job extends a shorter finished run from its last
-checkpoint, logging what an uninterrupted run of the longer length logs."""
+"""The reproductions' runner: a finished run is reused, a longer job extends a shorter finished run from its last
+checkpoint, and a run stopped at a session's end is extended by the same command, each logging what an uninterrupted
+run logs."""
 
 import json
 import shutil
+import subprocess
 import sys
+import threading
+import time
+
+import pytest
 
 from conftest import ROOT, SMALL, without_timing
 
@@ -45,3 +51,39 @@ def test_a_run_whose_log_was_kept_is_read_from_it_not_run_again(tmp_path, monkey
         assert again["rows"] == first["rows"] and again["wall_s"] == first["wall_s"]
     longer = Job("run", "grpo.py", [*FLAGS, "--steps", "3"])  # no checkpoint to extend from: run whole
     assert [r["step"] for r in run_jobs([longer], str(tmp_path / "study"))["run"]["rows"] if "loss" in r] == [1, 2, 3]
+
+
+def test_a_run_stopped_by_sigterm_is_extended_by_the_same_command(tmp_path):
+    """A study spread over sessions: SIGTERM to the script (it finishes its step and checkpoints) stops the study with a
+    message; the same command resumes the run from that checkpoint; the whole logs what an uninterrupted run logs."""
+    job = Job("run", "grpo.py", [*FLAGS, "--steps", "30"])
+    out, stopped = tmp_path / "stopped", {}
+
+    def study():
+        try:
+            run_jobs([job], str(out))
+        except SystemExit as exit:
+            stopped["message"] = str(exit)
+
+    thread = threading.Thread(target=study)
+    thread.start()
+    metrics = out / "run" / "metrics.jsonl"
+    while thread.is_alive() and sum('"loss"' in line for line in (metrics.read_text() if metrics.exists() else "").splitlines()) < 2:
+        time.sleep(0.05)
+    subprocess.run(["pkill", "-TERM", "-f", f"output-dir {out} --run-name run"], check=True)
+    thread.join()
+    at = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert 2 <= at < 30 and stopped["message"] == f"run: stopped at step {at} (checkpointed); the same command extends it"
+    assert not (out / "run" / "done.json").exists() and run_jobs([job], str(out), start=False) == {}  # not finished
+    piece = json.loads((out / "run" / "stopped.json").read_text())
+    extended = run_jobs([job], str(out))["run"]
+    whole = run_jobs([job], str(tmp_path / "whole"))["run"]
+    assert [r["step"] for r in extended["rows"] if "loss" in r] == list(range(1, 31))
+    assert without_timing(extended["rows"]) == without_timing(whole["rows"])
+    assert extended["extended_from"] == at and extended["wall_s"] > piece["wall_s"] > 0
+    assert not (out / "run" / "stopped.json").exists()
+
+
+def test_a_run_that_fails_is_an_error_not_a_stop(tmp_path):
+    with pytest.raises(RuntimeError, match="exited with status 2$"):  # refused by its argument check
+        run_jobs([Job("bad", "grpo.py", [*FLAGS, "--steps", "0"])], str(tmp_path))

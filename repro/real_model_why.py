@@ -101,6 +101,15 @@ def last_checkpoint(run: str) -> str:
     return str(checkpoints[-1])
 
 
+def command(args: Args) -> str:
+    """The command that writes this table (its first line): --runs, --problems, --samples, and each other flag that
+    is not its default (--name among them: without it the command would write real_model_why.md)."""
+    flags = [f"--runs {' '.join(args.runs)}", f"--problems {args.problems}", f"--samples {args.samples}"]
+    flags += [f"--{key.replace('_', '-')} {getattr(args, key)}" for key in ("max_new_tokens", "temperature", "name")
+              if getattr(args, key) != getattr(Args, key)]
+    return "python repro/real_model_why.py " + " ".join(flags)
+
+
 def main(args: Args) -> None:
     paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
     task = load_task("gsm8k", str(DATA / "train.jsonl"), str(DATA / "test.jsonl"), args.problems,
@@ -109,7 +118,7 @@ def main(args: Args) -> None:
            for name, file in (("held-out", "test.jsonl"), ("transfer", "transfer.jsonl"))}
     results = {model: score_model(path, task, raw, args) for model, path in paths.items()}
     trained = list(args.runs)
-    lines = [f"`python repro/real_model_why.py --runs {' '.join(args.runs)} --problems {args.problems} --samples {args.samples}`",
+    lines = [f"`{command(args)}`",
              "", f"By the number of steps of the reference solution (base -> mean of the {len(trained)} trained checkpoints; "
              "'steps reached': the share of the reference's steps whose results a sampled completion writes, in order):", "",
              "| set | steps | problems | pass@1 | greedy | format | cut at 128 | steps reached |", "|---" * 8 + "|"]

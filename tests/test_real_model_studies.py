@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "repro"))
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
+from real_model_why import Args as WhyArgs, command as why_command  # noqa: E402
 
 SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
           "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
@@ -49,6 +50,14 @@ def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
     bench = tyro.cli(grpo.Args, args=here(study_run.grpo_flags(study_run.Args())))
     recipe = tyro.cli(grpo.Args, args=here([*with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]), "--seed", "2"]))
     assert bench.seed == 2 and vars(bench) == vars(recipe)
+
+
+def test_the_why_tables_command_is_the_one_that_wrote_it():
+    """Its first line, run, writes the same table: the same runs, problems, samples, budget, temperature and name."""
+    for args in (WhyArgs(), WhyArgs(runs=["stepwise_lr1e-5_s0", "stepwise_lr1e-5_s1"], name="real_model_why_stepwise"),
+                 WhyArgs(problems=50, samples=8, max_new_tokens=64, temperature=1.0)):
+        script, *flags = why_command(args).split()[1:]
+        assert script == "repro/real_model_why.py" and tyro.cli(WhyArgs, args=flags) == args
 
 
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):

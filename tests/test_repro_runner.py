@@ -68,7 +68,11 @@ def test_a_run_stopped_by_sigterm_is_extended_by_the_same_command(tmp_path):
     thread = threading.Thread(target=study)
     thread.start()
     metrics = out / "run" / "metrics.jsonl"
-    while thread.is_alive() and sum('"loss"' in line for line in (metrics.read_text() if metrics.exists() else "").splitlines()) < 2:
+
+    def trained_steps() -> int:
+        return sum('"loss"' in line for line in metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    while thread.is_alive() and trained_steps() < 2:
         time.sleep(0.05)
     subprocess.run(["pkill", "-TERM", "-f", f"output-dir {out} --run-name run"], check=True)
     thread.join()

@@ -41,7 +41,8 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
         done, stopped = run_dir / "done.json", run_dir / "stopped.json"
         if not done.exists() and (run := kept(job, output_dir)):  # finished on another machine: its kept log
             return job.name, run
-        before = json.loads((done if done.exists() else stopped).read_text()) if done.exists() or stopped.exists() else {}
+        record = next((path for path in (done, stopped) if path.exists()), None)  # the pieces so far, if any
+        before = json.loads(record.read_text()) if record else {}
         if not done.exists() or shorter(run_dir, job):  # not run yet, stopped, or a finished shorter run: extended from
             if not start:  # its last checkpoint
                 return job.name, None

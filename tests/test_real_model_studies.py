@@ -12,6 +12,8 @@ import tyro
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "repro"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import study_run  # noqa: E402
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
@@ -44,9 +46,6 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_steps_and_crit
 
 def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
     """real_model_ppo.py compares seed 2 with benchmarks/study_run.py's kept run (the recipe study has no seed 2)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import study_run
-
     bench = tyro.cli(grpo.Args, args=here(study_run.grpo_flags(study_run.Args())))
     recipe = tyro.cli(grpo.Args, args=here([*with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]), "--seed", "2"]))
     assert bench.seed == 2 and vars(bench) == vars(recipe)

@@ -15,6 +15,7 @@ gradient, the share of completions cut at the budget, wall time and peak memory.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import tyro
@@ -37,6 +38,10 @@ RECIPES = {  # name: flags
     # group (of the 4) a micro-batch: trajectories ~3x a turn long, all 32 at once ran out of the machine's 24 GB
     "turns_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
                      str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4"],
+    # the same at two passes a batch: at one pass the ratio is 1 and the clip never binds, at two the second pass's
+    # ratio moves and its clip fraction by turn position (turns/clip_frac_t<k>) is the embedded chain tasks' question
+    "turns2_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
+                      str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4", "--num-iterations", "2"],
 }
 SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"), ("eval/test/", "held-out, single-turn"))
 
@@ -87,6 +92,28 @@ def rise_in_se(first: dict, last: dict, key: str) -> float:
     return (last[key] - first[key]) / (first[key + "_se"] ** 2 + last[key + "_se"] ** 2) ** 0.5
 
 
+def command(args: Args) -> str:
+    """The command that writes this table: the runs, the budget, and --output-dir and --name where not the defaults."""
+    default = Args()
+    named = "".join(f" --{flag.replace('_', '-')} {getattr(args, flag)}" for flag in ("output_dir", "name")
+                    if getattr(args, flag) != getattr(default, flag))
+    return (f"`python repro/real_model_recipe.py --runs {' '.join(args.runs)} --steps {args.steps} --eval-every "
+            f"{args.eval_every} --eval-prompts {args.eval_prompts}{named}`")
+
+
+def by_turn(rows: list[dict]) -> str:
+    """Clip fraction (mean over the n steps that had a model turn k, ± its se over those steps) and ratio spread (median)
+    at each model turn k: the embedded chain tasks' table by position (repro/README.md, "Multi-turn: the chain task")."""
+    cells = []
+    for k in range(1, 1 + max((int(key.rsplit("_t", 1)[1]) for r in rows for key in r
+                               if key.startswith("turns/clip_frac_t")), default=0)):
+        clip = [r[f"turns/clip_frac_t{k}"] for r in rows if f"turns/clip_frac_t{k}" in r]
+        se = statistics.stdev(clip) / len(clip) ** 0.5 if len(clip) > 1 else float("nan")
+        spread = statistics.median(r[f"turns/ratio_std_t{k}"] for r in rows if f"turns/ratio_std_t{k}" in r)
+        cells.append(f"turn {k}: {100 * statistics.mean(clip):.2f} ± {100 * se:.2f} % / {spread:.4f} (n = {len(clip)})")
+    return "; ".join(cells)
+
+
 def main(args: Args) -> None:
     if not (DATA / "transfer.jsonl").is_file():
         word_problems.write(DATA)
@@ -101,9 +128,7 @@ def main(args: Args) -> None:
     runs = run_jobs(jobs, args.output_dir, workers=1)
     keys = [("pass@1", "pass@1"), ("pass@k", "pass@4"), ("greedy", "greedy"), ("format_rate", "format"),
             ("mean_length", "length")]
-    lines = [f"`python repro/real_model_recipe.py --runs {' '.join(args.runs)} --steps {args.steps} --eval-every "
-             f"{args.eval_every} --eval-prompts {args.eval_prompts}" + (f" --name {args.name}" if args.name != "real_model_recipe"
-                                                                          else "") + "`", "",
+    lines = [command(args), "",
              "| recipe | seed | set | " + " | ".join(f"{label}: base -> final" for _, label in keys) +
              " | rise in se: pass@1, greedy | steps with a gradient | cut at the budget | wall time (s) | peak memory (MB) |",
              "|---" * (len(keys) + 8) + "|"]
@@ -122,6 +147,12 @@ def main(args: Args) -> None:
     for job in jobs:
         lines.append(f"- {job.name}: " + ", ".join(f"{r['step']}: {r['eval/pass@1']:.3f} / {r['eval/transfer/pass@1']:.3f}"
                                                    for r in evals(runs[job.name]["rows"])))
+    turned = [job for job in jobs if any("turns/clip_frac_t1" in r for r in runs[job.name]["rows"])]
+    if turned:
+        lines += ["", "Multi-turn runs, clip fraction by model turn (mean over the steps that had one, ± se) / ratio "
+                  "spread (median over steps), over every pass's tokens (a first pass's ratio is 1, never clipped: "
+                  "at one pass a batch both are 0 by construction):", ""]
+        lines += [f"- {job.name}: {by_turn(runs[job.name]['rows'])}" for job in turned]
     out = save_table(args.name, "\n".join(lines) + "\n")
     plt = pyplot()
     if plt is None:

@@ -15,8 +15,9 @@ Arms (ARMS below):
   the fewest steps at K = 4 (137 steps, 3 of 3 seeds; decoupled: 160; none: 1 of 3; repro/README.md).
 - K4_icepop, K4_decoupled: the other corrections that did best on the embedded job at K = 4 and 8 (issue 34, part 2).
 - K1_tis: the threaded arm's staleness and correction, emulated (the thread's effect apart from K's).
-- K4_tis_cap5, K4_decoupled_cap2, K4_none_2iter: what separates tis from icepop and decoupled at K = 4 (part 2): the
-  size of the bound on w, truncating against dropping, and a second pass (the clip on u binds again).
+- K4_tis_cap5, K4_tis_cap3, K4_decoupled_cap2, K4_none_2iter: what separates tis from icepop and decoupled at K = 4
+  (part 2): the size of the bound on w (C = 2 holds, 5 collapses; 3 between), truncating against dropping, and a
+  second pass (the clip on u binds again).
 - K4_none_noclip: K4_none with the clip opened (eps_low 0.999, eps_high 1e6), checkpointed every 10 steps: does the
   clip against the stale mu cut the tokens being learned (the candidate mechanism of K4_none's stall)?
 - threaded: async_grpo.py as a user starts it (a generation thread, K = 1, tis) for the wall time to the same
@@ -57,6 +58,8 @@ ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe
     # dropping where tis truncates, w > 2); and K = 4 at two passes, where the clip on u binds again
     "K4_tis_cap5": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis",
                                       "--tis-cap", "5"]),
+    "K4_tis_cap3": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "tis",
+                                      "--tis-cap", "3"]),  # between the bound that holds (2) and the one that does not (5)
     "K4_decoupled_cap2": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "decoupled",
                                             "--decoupled-cap", "2"]),
     "K4_none_2iter": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none",

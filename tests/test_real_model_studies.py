@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "repro"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_run  # noqa: E402
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
-from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, flags, with_recipe  # noqa: E402
+from real_model_recipe import (DATA, RECIPES, Args as RecipeArgs, by_turn, command as recipe_command, flags,  # noqa: E402
+                               with_recipe)
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
 from real_model_why import Args as WhyArgs, command as why_command  # noqa: E402
 
@@ -60,7 +61,7 @@ def test_the_why_tables_command_is_the_one_that_wrote_it():
 
 
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):
-    """K4_tis_cap5 is K4_tis with C = 5, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2, K4_none_2iter K4_none at
+    """K4_tis_cap5 and K4_tis_cap3 are K4_tis with C = 5 and 3, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2, K4_none_2iter K4_none at
     two passes, K4_none_noclip K4_none with the clip opened: a misspelt flag would fail a 30-minute run at its start,
     a forgotten one would run the wrong question."""
     recipe = with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"])
@@ -74,6 +75,7 @@ def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_say
         return {k for k in vars(parsed[a]) if getattr(parsed[a], k) != getattr(parsed[b], k)}
 
     assert differs("K4_tis_cap5", "K4_tis") == {"tis_cap"} and parsed["K4_tis_cap5"].tis_cap == pytest.approx(5)
+    assert differs("K4_tis_cap3", "K4_tis") == {"tis_cap"} and parsed["K4_tis_cap3"].tis_cap == pytest.approx(3)
     assert differs("K4_decoupled_cap2", "K4_decoupled") == {"decoupled_cap"}
     assert parsed["K4_decoupled_cap2"].decoupled_cap == pytest.approx(2)
     assert differs("K4_none_2iter", "K4_none") == {"num_iterations"} and parsed["K4_none_2iter"].num_iterations == 2
@@ -89,3 +91,32 @@ def test_the_multi_turn_recipe_trains_one_group_at_a_time(here):
     args = tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES["turns_lr1e-5"])))
     grpo.check_args(args, num_processes=1)
     assert args.task == "gsm8k-turns" and args.minibatches == args.prompts_per_step and args.num_iterations == 1
+
+
+def test_the_two_pass_multi_turn_recipe_differs_from_the_one_pass_one_only_in_its_passes(here):
+    """turns2_lr1e-5 asks where in a trajectory the clip binds, which needs a ratio that moves: a second pass."""
+    parsed = {name: tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES[name])))
+              for name in ("turns_lr1e-5", "turns2_lr1e-5")}
+    grpo.check_args(parsed["turns2_lr1e-5"], num_processes=1)
+    one, two = parsed["turns_lr1e-5"], parsed["turns2_lr1e-5"]
+    assert {k for k in vars(one) if getattr(one, k) != getattr(two, k)} == {"num_iterations"} and two.num_iterations == 2
+
+
+def test_the_recipe_tables_command_is_the_one_that_wrote_it():
+    """Its first line, run, writes the same table into the same directory: --output-dir and --name where not the
+    defaults (a study in its own directory read back from another would run again)."""
+    for args in (RecipeArgs(), RecipeArgs(runs=["turns2_lr1e-5:0"], steps=12, eval_every=1000, eval_prompts=20,
+                                          output_dir="runs/repro_real_model_turns_clip", name="real_model_turns_clip")):
+        script, *rest = recipe_command(args).strip("`").split()[1:]
+        assert script == "repro/real_model_recipe.py" and tyro.cli(RecipeArgs, args=rest) == args
+
+
+def test_the_clip_by_turn_is_each_turns_mean_over_the_steps_that_had_it():
+    """Turn 3 appears in one step of two: its mean is that step's, with no se; turn 1's se is the sd over steps / sqrt 2."""
+    rows = [{"step": 1, "turns/clip_frac_t1": 0.01, "turns/ratio_std_t1": 0.1, "turns/clip_frac_t2": 0.0,
+             "turns/ratio_std_t2": 0.2},
+            {"step": 2, "turns/clip_frac_t1": 0.03, "turns/ratio_std_t1": 0.3, "turns/clip_frac_t2": 0.02,
+             "turns/ratio_std_t2": 0.4, "turns/clip_frac_t3": 0.05, "turns/ratio_std_t3": 0.5},
+            {"step": 0, "eval/pass@1": 0.1}]
+    assert by_turn(rows) == ("turn 1: 2.00 ± 1.00 % / 0.2000 (n = 2); turn 2: 1.00 ± 1.00 % / 0.3000 (n = 2); "
+                             "turn 3: 5.00 ± nan % / 0.5000 (n = 1)")

@@ -81,17 +81,21 @@ def summary(problems: list[dict]) -> dict:
             "cut": mean("cut"), "reached": statistics.mean(r / p["steps"] for p in problems for r in p["reached"])}
 
 
-def training_log(run: str) -> str:
-    rows = [r for r in read_metrics(RECIPE_RUNS / run) if "policy/grad_norm" in r]
+def training_log(run: str, rows: list[dict]) -> str:
+    """The run's row of the training table, from its metrics rows. A multi-turn run (gsm8k-turns) logs no reward parts:
+    its accuracy is the share of trajectories whose final answer is right (accuracy/train), its format '–'."""
+    rows = [r for r in rows if "policy/grad_norm" in r]
 
     def avg(part, key):
         return statistics.mean(r[key] for r in part)
 
     first, last = rows[:10], rows[-10:]
+    accuracy = "reward/gsm8k_reward" if "reward/gsm8k_reward" in rows[0] else "accuracy/train"
+    fmt = (f"{avg(first, 'reward/gsm8k_format_reward'):.2f} -> {avg(last, 'reward/gsm8k_format_reward'):.2f}"
+           if "reward/gsm8k_format_reward" in rows[0] else "–")
     return (f"| {run} | {1 - avg(first, 'frac_reward_zero_std'):.2f} -> {1 - avg(last, 'frac_reward_zero_std'):.2f} | "
             f"{avg(first, 'completions/clipped_frac'):.2f} -> {avg(last, 'completions/clipped_frac'):.2f} | "
-            f"{avg(first, 'reward/gsm8k_reward'):.3f} -> {avg(last, 'reward/gsm8k_reward'):.3f} | "
-            f"{avg(first, 'reward/gsm8k_format_reward'):.2f} -> {avg(last, 'reward/gsm8k_format_reward'):.2f} |")
+            f"{avg(first, accuracy):.3f} -> {avg(last, accuracy):.3f} | {fmt} |")
 
 
 def last_checkpoint(run: str) -> str:
@@ -144,7 +148,7 @@ def main(args: Args) -> None:
                          f"| {base['greedy']:.2f} -> {statistics.mean(s['greedy'] for s in runs):.2f} |")
     lines += ["", "Training (first 10 -> last 10 steps): groups with a reward signal, completions cut at the budget, "
               "accuracy reward, format reward:", "", "| run | groups with signal | cut | accuracy reward | format reward |",
-              "|---" * 5 + "|", *[training_log(run) for run in trained]]
+              "|---" * 5 + "|", *[training_log(run, read_metrics(RECIPE_RUNS / run)) for run in trained]]
     right = {m: [ok for label in raw for p in results[m][label] for ok, f in zip(p["correct"], p["formatted"]) if f]
              for m in paths}
     lines += ["", "Formatted completions that are right: " + ", ".join(

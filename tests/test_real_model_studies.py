@@ -18,7 +18,7 @@ from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import (DATA, RECIPES, Args as RecipeArgs, by_turn, command as recipe_command, flags,  # noqa: E402
                                with_recipe)
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
-from real_model_why import Args as WhyArgs, command as why_command  # noqa: E402
+from real_model_why import Args as WhyArgs, command as why_command, training_log  # noqa: E402
 
 SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
           "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
@@ -120,3 +120,21 @@ def test_the_clip_by_turn_is_each_turns_mean_over_the_steps_that_had_it():
             {"step": 0, "eval/pass@1": 0.1}]
     assert by_turn(rows) == ("turn 1: 2.00 ± 1.00 % / 0.2000 (n = 2); turn 2: 1.00 ± 1.00 % / 0.3000 (n = 2); "
                              "turn 3: 5.00 ± nan % / 0.5000 (n = 1)")
+
+
+def test_the_why_tables_training_row_reads_a_multi_turn_log():
+    """A gsm8k-turns run logs no reward parts (its environment credits each turn): the accuracy column is the share of
+    trajectories whose final answer is right (accuracy/train, what gsm8k_reward is for one turn), the format '–'."""
+    def rows(turns: bool) -> list[dict]:
+        out = []
+        for step in range(1, 21):
+            row = {"step": step, "policy/grad_norm": 1.0, "frac_reward_zero_std": 0.5 if step <= 10 else 0.25,
+                   "completions/clipped_frac": 0.1, "accuracy/train": 0.1 if step <= 10 else 0.2}
+            if not turns:
+                row |= {"reward/gsm8k_reward": row["accuracy/train"], "reward/gsm8k_format_reward": 0.5}
+            out.append(row)
+        return [{"step": 0, "eval/pass@1": 0.1}, *out]
+
+    assert training_log("turns_lr1e-5_s0", rows(True)) == "| turns_lr1e-5_s0 | 0.50 -> 0.75 | 0.10 -> 0.10 | 0.100 -> 0.200 | – |"
+    assert training_log("shaped_lr1e-5_s0", rows(False)) == ("| shaped_lr1e-5_s0 | 0.50 -> 0.75 | 0.10 -> 0.10 | "
+                                                             "0.100 -> 0.200 | 0.50 -> 0.50 |")

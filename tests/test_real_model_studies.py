@@ -93,13 +93,20 @@ def test_the_multi_turn_recipe_trains_one_group_at_a_time(here):
     assert args.task == "gsm8k-turns" and args.minibatches == args.prompts_per_step and args.num_iterations == 1
 
 
-def test_the_two_pass_multi_turn_recipe_differs_from_the_one_pass_one_only_in_its_passes(here):
-    """turns2_lr1e-5 asks where in a trajectory the clip binds, which needs a ratio that moves: a second pass."""
+def test_the_two_pass_multi_turn_recipes_differ_from_the_one_pass_one_only_in_what_their_names_say(here):
+    """turns2_lr1e-5 asks where in a trajectory the clip binds, which needs a ratio that moves: a second pass;
+    turns2_tokenmean_lr1e-5 asks it again with each token weighted alike, whatever its trajectory's length."""
     parsed = {name: tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES[name])))
-              for name in ("turns_lr1e-5", "turns2_lr1e-5")}
-    grpo.check_args(parsed["turns2_lr1e-5"], num_processes=1)
-    one, two = parsed["turns_lr1e-5"], parsed["turns2_lr1e-5"]
-    assert {k for k in vars(one) if getattr(one, k) != getattr(two, k)} == {"num_iterations"} and two.num_iterations == 2
+              for name in ("turns_lr1e-5", "turns2_lr1e-5", "turns2_tokenmean_lr1e-5")}
+    for args in parsed.values():
+        grpo.check_args(args, num_processes=1)
+
+    def differs(a: str, b: str) -> set[str]:
+        return {k for k in vars(parsed[a]) if getattr(parsed[a], k) != getattr(parsed[b], k)}
+
+    assert differs("turns2_lr1e-5", "turns_lr1e-5") == {"num_iterations"} and parsed["turns2_lr1e-5"].num_iterations == 2
+    assert differs("turns2_tokenmean_lr1e-5", "turns2_lr1e-5") == {"loss_agg"}
+    assert parsed["turns2_tokenmean_lr1e-5"].loss_agg == "token-mean"
 
 
 def test_the_recipe_tables_command_is_the_one_that_wrote_it():
@@ -112,14 +119,17 @@ def test_the_recipe_tables_command_is_the_one_that_wrote_it():
 
 
 def test_the_clip_by_turn_is_each_turns_mean_over_the_steps_that_had_it():
-    """Turn 3 appears in one step of two: its mean is that step's, with no se; turn 1's se is the sd over steps / sqrt 2."""
+    """Turn 3 appears in one step of two: its mean is that step's, with no se; turn 1's se is the sd over steps / sqrt 2.
+    The paired spread difference is taken within each step: turn 1 - turn 2 is -0.1 both times, whatever the steps'
+    levels; turn 2 - turn 3 has one step, no se, and is left out."""
     rows = [{"step": 1, "turns/clip_frac_t1": 0.01, "turns/ratio_std_t1": 0.1, "turns/clip_frac_t2": 0.0,
              "turns/ratio_std_t2": 0.2},
             {"step": 2, "turns/clip_frac_t1": 0.03, "turns/ratio_std_t1": 0.3, "turns/clip_frac_t2": 0.02,
              "turns/ratio_std_t2": 0.4, "turns/clip_frac_t3": 0.05, "turns/ratio_std_t3": 0.5},
             {"step": 0, "eval/pass@1": 0.1}]
     assert by_turn(rows) == ("turn 1: 2.00 ± 1.00 % / 0.2000 (n = 2); turn 2: 1.00 ± 1.00 % / 0.3000 (n = 2); "
-                             "turn 3: 5.00 ± nan % / 0.5000 (n = 1)")
+                             "turn 3: 5.00 ± nan % / 0.5000 (n = 1). Ratio spread, paired by step: "
+                             "turn 1 - turn 2: -0.1000 ± 0.0000 (n = 2, 0 above 0)")
 
 
 def test_the_why_tables_training_row_reads_a_multi_turn_log():

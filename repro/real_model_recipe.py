@@ -43,7 +43,7 @@ RECIPES = {  # name: flags
     "turns2_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
                       str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4", "--num-iterations", "2"],
     # and with every token weighted alike (token-mean, not 1 / |trajectory| per trajectory): turn 1 holds the one-turn
-    # trajectories, the shortest, so under the default weighting its tokens move more for their length, not their place
+    # trajectories, the shortest, whose tokens the default weighting moves more; this run separates length from place
     "turns2_tokenmean_lr1e-5": ["--task", "gsm8k-turns", "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
                                 str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4", "--num-iterations", "2",
                                 "--loss-agg", "token-mean"],
@@ -110,16 +110,16 @@ def by_turn(rows: list[dict]) -> str:
     """Clip fraction (mean over the n steps that had a model turn k, ± its se over those steps) and ratio spread (median)
     at each model turn k: the embedded chain tasks' table by position (repro/README.md, "Multi-turn: the chain task");
     then turn k's ratio spread less turn k + 1's, paired by step (mean ± se over the steps that had both)."""
-    def mean_se(values: list[float], scale: float = 1.0) -> str:
+    def mean_se(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
         se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-        return f"{scale * statistics.mean(values):.{2 if scale == 100 else 4}f} ± {scale * se:.{2 if scale == 100 else 4}f}"
+        return f"{scale * statistics.mean(values):.{digits}f} ± {scale * se:.{digits}f}"
 
     turns = max((int(key.rsplit("_t", 1)[1]) for r in rows for key in r if key.startswith("turns/clip_frac_t")), default=0)
     cells, pairs = [], []
     for k in range(1, turns + 1):
         clip = [r[f"turns/clip_frac_t{k}"] for r in rows if f"turns/clip_frac_t{k}" in r]
         spread = statistics.median(r[f"turns/ratio_std_t{k}"] for r in rows if f"turns/ratio_std_t{k}" in r)
-        cells.append(f"turn {k}: {mean_se(clip, 100)} % / {spread:.4f} (n = {len(clip)})")
+        cells.append(f"turn {k}: {mean_se(clip, 100, 2)} % / {spread:.4f} (n = {len(clip)})")
         both = [r[f"turns/ratio_std_t{k - 1}"] - r[f"turns/ratio_std_t{k}"] for r in rows
                 if f"turns/ratio_std_t{k}" in r and f"turns/ratio_std_t{k - 1}" in r]
         if len(both) > 1:

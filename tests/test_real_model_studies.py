@@ -61,9 +61,9 @@ def test_the_why_tables_command_is_the_one_that_wrote_it():
 
 
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):
-    """K4_tis_cap5 and K4_tis_cap3 are K4_tis with C = 5 and 3, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2, K4_none_2iter K4_none at
-    two passes, K4_none_noclip K4_none with the clip opened: a misspelt flag would fail a 30-minute run at its start,
-    a forgotten one would run the wrong question."""
+    """K4_tis_cap5 and K4_tis_cap3 are K4_tis with C = 5 and 3, K4_decoupled_cap2 K4_decoupled with AReaL's cap at 2,
+    K4_none_2iter K4_none at two passes, K4_none_noclip K4_none with the clip opened: a misspelt flag would fail a
+    30-minute run at its start, a forgotten one would run the wrong question."""
     recipe = with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"])
     parsed = {}
     for arm, (script, extra) in STALENESS_ARMS.items():

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import tyro
-from runner import ROOT, Job, evals, pyplot, run_jobs, save_table
+from runner import ROOT, Job, command as runner_command, evals, pyplot, run_jobs, save_table
 
 from common import word_problems
 
@@ -98,12 +98,8 @@ def rise_in_se(first: dict, last: dict, key: str) -> float:
 
 
 def command(args: Args) -> str:
-    """The command that writes this table: the runs, the budget, and --output-dir and --name where not the defaults."""
-    default = Args()
-    named = "".join(f" --{flag.replace('_', '-')} {getattr(args, flag)}" for flag in ("output_dir", "name")
-                    if getattr(args, flag) != getattr(default, flag))
-    return (f"`python repro/real_model_recipe.py --runs {' '.join(args.runs)} --steps {args.steps} --eval-every "
-            f"{args.eval_every} --eval-prompts {args.eval_prompts}{named}`")
+    """The command that writes this table: the runs, the budget, and each other flag not at its default."""
+    return f"`{runner_command('repro/real_model_recipe.py', args, always=('runs', 'steps', 'eval_every', 'eval_prompts'))}`"
 
 
 def by_turn(rows: list[dict]) -> str:

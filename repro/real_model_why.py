@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import tyro
-from runner import ROOT, save_table
+from runner import ROOT, command as runner_command, save_table
 
 from common.logging import read_metrics
 from common.models import eos_token_ids, load_model, load_tokenizer, resolve_model
@@ -106,12 +106,8 @@ def last_checkpoint(run: str) -> str:
 
 
 def command(args: Args) -> str:
-    """The command that writes this table (its first line): --runs, --problems, --samples, and each other flag that
-    is not its default (--name among them: without it the command would write real_model_why.md)."""
-    flags = [f"--runs {' '.join(args.runs)}", f"--problems {args.problems}", f"--samples {args.samples}"]
-    flags += [f"--{key.replace('_', '-')} {getattr(args, key)}" for key in ("max_new_tokens", "temperature", "name")
-              if getattr(args, key) != getattr(Args, key)]
-    return "python repro/real_model_why.py " + " ".join(flags)
+    """The command that writes this table (its first line): --runs, --problems, --samples, and each flag not at its default."""
+    return runner_command("repro/real_model_why.py", args, always=("runs", "problems", "samples"))
 
 
 def main(args: Args) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +107,18 @@ def shorter(run_dir: Path, job: Job) -> bool:
     """Whether the finished run in run_dir stopped before the job's --steps (so the job extends it by resuming;
     async_grpo.py's emulated mode and grpo.py resume exactly, tested in tests/test_async_grpo.py and test_checkpoint.py)."""
     return json.loads((run_dir / "args.json").read_text())["steps"] < steps(job)
+
+
+def command(script: str, args, always: tuple[str, ...]) -> str:
+    """`python <script>` with the flags that reproduce args (a tyro dataclass of values and lists; no booleans): the
+    fields named in `always`, then each other field not at its default (--name among them: without it a study's
+    command writes its default results file)."""
+    default, words = type(args)(), ["python", script]
+    for field in fields(args):
+        value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
+        if field.name in always or value != getattr(default, field.name):
+            words += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return " ".join(words)
 
 
 def read_log(path: Path) -> list[dict]:

@@ -123,4 +123,3 @@ def test_each_results_table_repro_readme_shows_is_the_current_one():
 
 if __name__ == "__main__":
     fix_line_anchors()
-

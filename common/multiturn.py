@@ -23,7 +23,8 @@ Turn k is sampled with common.sampling.sample from the whole context so far (no 
 contexts are short and the code stays obvious), with the noise key (*key, k): a trajectory does not
 depend on the others in its batch, as in single-turn sampling. It ends when the environment says
 done, after max_turns model turns, or when max_tokens tokens follow the prompt (a model turn or an
-observation that would run past the budget is cut there).
+observation that would run past the budget is cut there). As for one completion, a trajectory is finished when
+every model turn ended with EOS, and done (Rollout.done) when the environment took its last turn.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], ke
     context = [prompt_ids[b][prompt_mask[b].bool()].tolist() for b in range(len(envs))]
     tokens, turn_ids, logps = ([[] for _ in envs] for _ in range(3))  # after the prompt; turn -1: an observation
     turn_rewards, turn_texts = [[] for _ in envs], [[] for _ in envs]
-    done = [False] * len(envs)
+    done, cut = [False] * len(envs), [False] * len(envs)  # cut: a model turn ended at its budget, not at EOS
     was_training = model.training
     model.eval()
     for k in range(max(env.max_turns for env in envs)):
@@ -122,6 +123,7 @@ def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], ke
         for row, b in enumerate(active):
             room = envs[b].max_tokens - len(tokens[b])
             turn = out[row, : min(lengths[row], room)].tolist()
+            cut[b] = cut[b] or not (turn and turn[-1] in eos_ids)
             tokens[b] += turn
             turn_ids[b] += [k] * len(turn)
             logps[b] += out_logps[row, : len(turn)].tolist()
@@ -141,7 +143,8 @@ def multi_turn_rollout(model, tokenizer, envs: list[Env], prompts: list[str], ke
     attention = right_pad([[1] * len(t) for t in tokens], 0, torch.long, device)
     return Rollout(
         prompt_ids, prompt_mask, completion_ids, (turn_id >= 0).long(), right_pad(logps, 0.0, torch.float32, device),
-        finished=torch.tensor(done, device=device), texts=tokenizer.batch_decode(tokens, skip_special_tokens=True),
+        finished=torch.tensor([d and not c for d, c in zip(done, cut)], device=device), done=done,
+        texts=tokenizer.batch_decode(tokens, skip_special_tokens=True),
         attention_mask=attention, rewards=[sum(r) for r in turn_rewards], successes=[env.success for env in envs],
         turn_rewards=turn_rewards, turn_texts=turn_texts, turn_ids=turn_id, max_turns=max(env.max_turns for env in envs),
     )

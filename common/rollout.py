@@ -156,7 +156,7 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         pad([p.completion_ids for p in parts], pad_id), pad([p.completion_mask for p in parts], 0),
         pad([p.logprobs for p in parts], 0.0), torch.cat([p.finished for p in parts]), lists("texts"),
         attention_mask=pad([p.attention_mask for p in parts], 0), rewards=lists("rewards"), successes=lists("successes"),
-        turn_rewards=lists("turn_rewards"), turn_texts=lists("turn_texts"),
+        done=lists("done"), turn_rewards=lists("turn_rewards"), turn_texts=lists("turn_texts"),
         turn_ids=pad([p.turn_ids for p in parts], -1) if parts[0].turn_ids is not None else None,
         max_turns=max(p.max_turns for p in parts),
     )
@@ -479,6 +479,7 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
 
 
 SAMPLER_CODE = ("sampling.py", "multiturn.py", "rollout.py", "models.py")  # the code that turns weights, prompts, uniforms into tokens
+SAMPLER_TEXT = [(Path(__file__).parent / f).read_text() for f in SAMPLER_CODE]  # as imported: a later edit is not this run's code
 
 
 def model_digest(model, tokenizer) -> str | None:
@@ -497,12 +498,11 @@ def model_digest(model, tokenizer) -> str | None:
         h.update(f"{name} {value.dtype} {tuple(value.shape)}".encode())
         h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    here = Path(__file__).parent
     h.update(repr((type(inner).__name__, inner.config.to_json_string(), str(getattr(inner, "autocast_dtype", None)),
                    backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
                    sorted({m.forward.__name__ for m in inner.modules() if type(m) is torch.nn.Linear}),  # the kernel
                    tokenizer.pad_token_id, getattr(tokenizer, "chat_template", None), torch.__version__,
-                   transformers.__version__, np.__version__, [(here / f).read_text() for f in SAMPLER_CODE])).encode())
+                   transformers.__version__, np.__version__, SAMPLER_TEXT)).encode())
     return h.hexdigest()
 
 

@@ -40,12 +40,13 @@ class Rollout:
     completion_ids: torch.Tensor  # (B, T) pad after the first EOS
     completion_mask: torch.Tensor  # (B, T) 1 up to and including the first EOS
     logprobs: torch.Tensor  # (B, T) behaviour log-probs at the sampling temperature, 0 where masked
-    finished: torch.Tensor  # (B,) True where the completion ended with EOS
+    finished: torch.Tensor  # (B,) True where the completion ended with EOS (a trajectory: every model turn did)
     texts: list[str]  # decoded completions, without special tokens
     # Multi-turn trajectories (common/multiturn.py) fill the rest; a single-turn rollout leaves the defaults.
     attention_mask: torch.Tensor | None = None  # (B, T) 1 on model AND environment tokens; completion_mask if None
     rewards: list[float] | None = None  # trajectory reward: the environment's turn rewards summed
     successes: list[bool] | None = None  # whether each trajectory achieved the task
+    done: list[bool] | None = None  # whether the environment took each trajectory's last turn (cut turns or not)
     turn_rewards: list[list[float]] | None = None  # the environment's reward after each model turn
     turn_texts: list[list[str]] | None = None  # each model turn, decoded
     turn_ids: torch.Tensor | None = None  # (B, T) k on the tokens of model turn k (0-based), -1 elsewhere

@@ -69,7 +69,7 @@ class Task:
         if batch.turn_texts is None:
             return self.formatted(batch.texts)
         last = self.formatted([turns[-1] if turns else "" for turns in batch.turn_texts])
-        return [f and done for f, done in zip(last, batch.finished.tolist())]
+        return [f and done for f, done in zip(last, batch.done)]
 
     def score(self, batch, answers: list[str], rows=None, parts: dict | None = None) -> tuple[list[float], list[bool]]:
         """The reward of each row and whether it succeeded (what pass@k counts): the environment's reward

@@ -134,6 +134,27 @@ def test_turn_and_token_budgets_end_a_trajectory(tokenizer):
     assert batch.completion_mask[0].tolist() == [1, 1, 0, 0, 0, 1]
 
 
+def test_a_model_turn_cut_at_its_budget_leaves_the_trajectory_unfinished(tokenizer):
+    """finished reads as in a single-turn rollout (every model turn ended with EOS; completions/clipped_frac counts the
+    rest as cut at --max-new-tokens), apart from done: the environment took its last turn."""
+    script = ["7", "2", "1"]  # each turn is its digit then EOS: 2 tokens
+    cut = rollout(ScriptedModel(tokenizer, script), tokenizer, ["4+3="], [(0,)], 1, 0.0, [EOS], "cpu", [ChainEnv("4359")])
+    whole = rollout(ScriptedModel(tokenizer, script), tokenizer, ["4+3="], [(0,)], 2, 0.0, [EOS], "cpu", [ChainEnv("4359")])
+    assert len(cut.turn_texts[0]) == len(whole.turn_texts[0]) == 3  # three model turns each (cut: no EOS, "7" again)
+    assert cut.done == whole.done == [True]
+    assert cut.finished.tolist() == [False] and whole.finished.tolist() == [True]
+
+
+def test_a_last_turn_cut_by_the_trajectory_budget_is_done_not_finished_through_a_split_batch(tokenizer):
+    class Tight(ChainEnv):
+        max_tokens = 11  # "7<eos>+5=2<eos>+9=" is 10 tokens: the last turn keeps its "1", not its EOS
+
+    batch = rollout(ScriptedModel(tokenizer, ["7", "2", "1"]), tokenizer, ["4+3="] * 2, [(0,), (1,)], 2, 0.0, [EOS], "cpu",
+                    [ChainEnv("4359"), Tight("4359")], batch_size=1)  # two sampling calls, concatenated
+    assert batch.turn_texts == [["7", "2", "1"]] * 2 and batch.successes == [True, True]
+    assert batch.done == [True, True] and batch.finished.tolist() == [True, False]
+
+
 def test_by_turn_statistics_add_up_over_micro_batches():
     ratio = torch.tensor([[1.0, 1.2, 1.0, 0.5], [0.9, 1.0, 1.4, 1.0]])
     clipped = ratio > 1.3
@@ -192,7 +213,7 @@ def test_a_trajectory_is_formatted_by_its_last_turn_once_asked_for_the_final_ans
     task = load_task("gsm8k-turns", *problems[:2])
     batch = SimpleNamespace(texts=[f"30{LAST_TURN}18", f"30{LAST_TURN}#### 18", f"30{LAST_TURN}#### 18"],
                             turn_texts=[["30", "18"], ["30", "#### 18"], ["30", "#### 18"]],
-                            finished=torch.tensor([True, True, False]))
+                            done=[True, True, False])
     assert task.formatted(batch.texts) == [True, True, True]  # what the whole text would have said
     assert task.formatted_rows(batch) == [False, True, False]
 

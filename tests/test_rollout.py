@@ -292,3 +292,14 @@ def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_chang
     with torch.no_grad():
         next(model.parameters())[0, 0] += 1e-3
     assert run()[1] == 2  # other weights
+
+
+def test_the_evaluation_cache_key_is_the_sampler_code_this_process_imported(tiny_model, tokenizer, monkeypatch):
+    """A run that outlives an edit of common/ must not file its completions under the edited code's key."""
+    from pathlib import Path
+
+    from common.rollout import model_digest
+
+    before = model_digest(tiny_model, tokenizer)
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "edited since")
+    assert model_digest(tiny_model, tokenizer) == before

@@ -61,6 +61,10 @@ class Args:
     """the embedded runs' seeds"""
     output_dir: str = "runs/repro_early_warning"
     workers: int = 2
+    leave_out: list[str] = field(default_factory=list)
+    """real-model runs to leave out by name (e.g. K4_tis_cap3_s0): how much one run's label moves the thresholds"""
+    name: str = "early_warning_across"
+    """the results file's name in repro/results/"""
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]] | None:
@@ -146,14 +150,14 @@ def embedded_runs(args: Args) -> list[Run]:
     return list(runs.values())
 
 
-def real_runs() -> list[Run]:
+def real_runs(leave_out: tuple[str, ...] = ()) -> list[Run]:
     """Every logged real-model staleness run, each with its seed's K = 0 run (the recipe's grpo.py; seed 2's from
     the study-run benchmark)."""
     k0 = {int(p.stem.rsplit("_s", 1)[1]): p for p in (LOGS / "repro_real_model_recipe").glob("shaped_lr1e-5_s*.jsonl")}
     k0.setdefault(2, LOGS / "bench_study_run_onednn" / "K0_s2_after.jsonl")
     refs = {s: Run("real", f"K0_s{s}", 0, s, read_log(p)) for s, p in sorted(k0.items()) if p.exists()}
     runs = list(refs.values())
-    for path in sorted((LOGS / "repro_real_model_staleness").glob("K*_s*.jsonl")):
+    for path in sorted(p for p in (LOGS / "repro_real_model_staleness").glob("K*_s*.jsonl") if p.stem not in leave_out):
         arm, seed = path.stem.rsplit("_s", 1)
         runs.append(Run("real", path.stem, int(arm[1]), int(seed), read_log(path), refs.get(int(seed))))
     return [r for r in runs if r.K == 0 or r.reference is not None]  # a stale run without its K = 0 run has no label
@@ -173,7 +177,7 @@ def describe(runs: list[Run]) -> str:
 
 
 def main(args: Args) -> None:
-    jobs = {"embedded": embedded_runs(args), "real": real_runs()}
+    jobs = {"embedded": embedded_runs(args), "real": real_runs(tuple(args.leave_out))}
     split = {job: ([r for r in runs if r.reference is not None and trouble_step(r) is not None],
                    [r for r in runs if r.reference is None or trouble_step(r) is None]) for job, runs in jobs.items()}
     lines = [f"Runs and labels. {job}: {describe(runs)}" for job, runs in jobs.items()]
@@ -185,7 +189,7 @@ def main(args: Args) -> None:
         transfer = score(key, direction, *split["real"], fixed=embedded["threshold"]) if embedded["threshold"] is not None else None
         lines.append(f"| {key} ({'falls' if direction < 0 else 'rises'}) | " + " | ".join(
             [*cells(embedded), *cells(real), *(cells(transfer)[1:] if transfer else ["–"] * 3)]) + " |")
-    out = save_table("early_warning_across", "\n\n".join(lines[:len(jobs)]) + "\n\n" + "\n".join(lines[len(jobs):]) + "\n")
+    out = save_table(args.name, "\n\n".join(lines[:len(jobs)]) + "\n\n" + "\n".join(lines[len(jobs):]) + "\n")
     plt = pyplot()
     if plt is None:
         return
@@ -206,7 +210,7 @@ def main(args: Args) -> None:
     fig.suptitle("SmolLM2 runs (smoothed over 5 steps): red in trouble, blue healthy; "
                  "thresholds from healthy runs: dashed real, dotted embedded")
     fig.tight_layout()
-    fig.savefig(out / "early_warning_across.png", dpi=100)
+    fig.savefig(out / f"{args.name}.png", dpi=100)
 
 
 if __name__ == "__main__":

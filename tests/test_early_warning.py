@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "repro"))
-from early_warning_across import Run, score, series, trouble_step  # noqa: E402
+from early_warning_across import Run, real_runs, score, series, trouble_step  # noqa: E402
 
 KL = "offpolicy/behaviour_kl"
 
@@ -64,3 +64,9 @@ def test_without_a_healthy_stale_run_a_behaviour_metric_has_no_threshold():
     assert result["threshold"] is None and result["leads"] == [] and result["judged"] == 0
     grad = score("policy/grad_norm", +1, [troubled], [K0])  # not a behaviour metric: K = 0 sets its threshold
     assert grad["threshold"] == pytest.approx(1.0) and grad["judged"] == 0  # leave-one-out of the only run: none left
+
+
+def test_a_real_run_left_out_by_name_is_neither_labelled_nor_thresholded():
+    every = {r.name for r in real_runs()}
+    assert "K4_tis_cap3_s0" in every
+    assert {r.name for r in real_runs(("K4_tis_cap3_s0",))} == every - {"K4_tis_cap3_s0"}

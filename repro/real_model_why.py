@@ -11,8 +11,10 @@ in them. Per group: pass@1, greedy, format rate (`#### N`), the share cut at the
 completion gets through the reference's steps (step i is reached when the completion writes the reference's
 i-th intermediate result, and every step before it is: where the chain breaks; a result that is also a number
 of the question counts as written). From each run's training log: the share of groups with a
-reward signal, of completions cut, and the two reward parts, in the first and last ten steps.
-Writes repro/results/<name>.md.
+reward signal, of completions cut, and the two reward parts, in the first and last ten steps. With --multi-turn, the
+held-out problems are also asked one step a turn, as a gsm8k-turns run is trained and evaluated (the set "held-out,
+multi-turn": a problem is right if its final turn is, its format and steps are read off the model's turns, and it is
+cut if any turn ran to the budget). Writes repro/results/<name>.md.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import tyro
@@ -43,6 +46,8 @@ class Args:
     samples: int = 4
     max_new_tokens: int = 128
     temperature: float = 0.7
+    multi_turn: bool = False
+    """also ask the held-out problems one step a turn (--task gsm8k-turns' environment), the budget a turn"""
     name: str = "real_model_why"
 
 
@@ -50,21 +55,37 @@ def numbers_in(text: str) -> set[int]:
     return {int(n) for n in re.findall(r"\d+", text.replace(",", ""))}
 
 
-def score_model(path: str, task, raw: dict, args: Args) -> dict:
+def evaluation_sets(args: Args, data: Path = DATA) -> tuple[dict, dict]:
+    """{set: (task, its rows as the task serves them)} and {set: the raw rows, with their worked solutions}: the first
+    --problems of the held-out and transfer files, as the runs evaluate them, and with --multi-turn the held-out rows
+    again as gsm8k-turns serves them."""
+    files = {"held-out": data / "test.jsonl", "transfer": data / "transfer.jsonl"}
+    task = load_task("gsm8k", str(data / "train.jsonl"), str(files["held-out"]), args.problems,
+                     extra_eval_paths=[str(files["transfer"])])
+    sets = {"held-out": (task, task.test), "transfer": (task, task.extra_tests["transfer"])}
+    raw = {name: read_rows(str(file))[: args.problems] for name, file in files.items()}
+    if args.multi_turn:
+        turns = load_task("gsm8k-turns", str(data / "train.jsonl"), str(files["held-out"]), args.problems)
+        sets["held-out, multi-turn"], raw["held-out, multi-turn"] = (turns, turns.test), raw["held-out"]
+    return sets, raw
+
+
+def score_model(path: str, sets: dict, raw: dict, args: Args) -> dict:
     """{set: [per problem {correct: [bool] * samples, greedy, formatted, cut, reached: steps reached per sample}]}"""
     tokenizer = load_tokenizer(path)
     model = load_model(path).eval()
     out, n, eos = {}, args.samples, eos_token_ids(model, tokenizer)
-    for name, data in (("held-out", task.test), ("transfer", task.extra_tests["transfer"])):
+    for name, (task, data) in sets.items():
         sampled, _, correct, greedy_correct = eval_rollouts(
             model, tokenizer, task, data, list(range(len(data))), n, args.max_new_tokens, args.temperature,
             eos, torch.device("cpu"), seed=0)
-        formatted, cut = task.formatted(sampled.texts), (~sampled.finished).tolist()
+        formatted, cut = task.formatted_rows(sampled), (~sampled.finished).tolist()
+        texts = sampled.texts if sampled.turn_texts is None else [" ".join(turns) for turns in sampled.turn_texts]
         out[name] = []
         for i, row in enumerate(raw[name]):
             steps = [(op, result) for _, op, _, result in solution_steps(row["answer"])]
             reached = []
-            for text in sampled.texts[i * n : (i + 1) * n]:  # the number of leading reference steps whose result it writes
+            for text in texts[i * n : (i + 1) * n]:  # the number of leading reference steps whose result it writes
                 found = numbers_in(text)
                 reached.append(next((k for k, (_, value) in enumerate(steps) if value not in found), len(steps)))
             out[name].append({"steps": len(steps), "ops": " ".join(op for op, _ in steps),
@@ -112,11 +133,8 @@ def command(args: Args) -> str:
 
 def main(args: Args) -> None:
     paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
-    task = load_task("gsm8k", str(DATA / "train.jsonl"), str(DATA / "test.jsonl"), args.problems,
-                     extra_eval_paths=[str(DATA / "transfer.jsonl")])  # as the runs evaluate: their first rows
-    raw = {name: read_rows(str(DATA / file))[: args.problems]  # with the worked solutions, which the task drops
-           for name, file in (("held-out", "test.jsonl"), ("transfer", "transfer.jsonl"))}
-    results = {model: score_model(path, task, raw, args) for model, path in paths.items()}
+    sets, raw = evaluation_sets(args)
+    results = {model: score_model(path, sets, raw, args) for model, path in paths.items()}
     trained = list(args.runs)
     lines = [f"`{command(args)}`",
              "", f"By the number of steps of the reference solution (base -> mean of the {len(trained)} trained checkpoints; "

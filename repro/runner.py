@@ -110,14 +110,18 @@ def shorter(run_dir: Path, job: Job) -> bool:
 
 
 def command(script: str, args, always: tuple[str, ...]) -> str:
-    """`python <script>` with the flags that reproduce args (a tyro dataclass of values and lists; no booleans): the
-    fields named in `always`, then each other field not at its default (--name among them: without it a study's
-    command writes its default results file)."""
+    """`python <script>` with the flags that reproduce args (a tyro dataclass of values, lists and booleans: tyro's
+    --flag / --no-flag): the fields named in `always`, then each other field not at its default (--name among them:
+    without it a study's command writes its default results file)."""
     default, words = type(args)(), ["python", script]
     for field in fields(args):
-        value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
-        if field.name in always or value != getattr(default, field.name):
-            words += [flag, *map(str, value if isinstance(value, list) else [value])]
+        value, flag = getattr(args, field.name), field.name.replace("_", "-")
+        if field.name not in always and value == getattr(default, field.name):
+            continue
+        if isinstance(value, bool):
+            words.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            words += [f"--{flag}", *map(str, value if isinstance(value, list) else [value])]
     return " ".join(words)
 
 

@@ -18,7 +18,9 @@ from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import (DATA, RECIPES, Args as RecipeArgs, by_turn, command as recipe_command, flags,  # noqa: E402
                                with_recipe)
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
-from real_model_why import Args as WhyArgs, command as why_command, training_log  # noqa: E402
+from real_model_why import Args as WhyArgs, command as why_command, evaluation_sets, score_model, training_log  # noqa: E402
+
+from common.models import resolve_model  # noqa: E402
 
 SHARED = ["model", "task", "data_path", "eval_data_path", "extra_eval_data_path", "temperature", "max_new_tokens",
           "prompts_per_step", "num_generations", "steps", "eval_every", "eval_prompts", "eval_samples", "eval_k", "reward",
@@ -55,7 +57,8 @@ def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
 def test_the_why_tables_command_is_the_one_that_wrote_it():
     """Its first line, run, writes the same table: the same runs, problems, samples, budget, temperature and name."""
     for args in (WhyArgs(), WhyArgs(runs=["stepwise_lr1e-5_s0", "stepwise_lr1e-5_s1"], name="real_model_why_stepwise"),
-                 WhyArgs(problems=50, samples=8, max_new_tokens=64, temperature=1.0)):
+                 WhyArgs(problems=50, samples=8, max_new_tokens=64, temperature=1.0),
+                 WhyArgs(runs=["turns_lr1e-5_s0"], multi_turn=True, name="real_model_why_turns")):
         script, *flags = why_command(args).split()[1:]
         assert script == "repro/real_model_why.py" and tyro.cli(WhyArgs, args=flags) == args
 
@@ -130,6 +133,19 @@ def test_the_clip_by_turn_is_each_turns_mean_over_the_steps_that_had_it():
     assert by_turn(rows) == ("turn 1: 2.00 ± 1.00 % / 0.2000 (n = 2); turn 2: 1.00 ± 1.00 % / 0.3000 (n = 2); "
                              "turn 3: 5.00 ± nan % / 0.5000 (n = 1). Ratio spread, paired by step: "
                              "turn 1 - turn 2: -0.1000 ± 0.0000 (n = 2, 0 above 0)")
+
+
+def test_the_why_tables_multi_turn_set_asks_the_held_out_problems_one_step_a_turn(problems):
+    """--multi-turn adds the held-out rows as gsm8k-turns serves them (as a turns run is evaluated), grouped by the
+    same reference steps; a trajectory is cut when any model turn ran to the budget (4 tokens a turn here: each one)."""
+    args = WhyArgs(problems=3, samples=1, max_new_tokens=4, multi_turn=True)
+    sets, raw = evaluation_sets(args, Path(problems[1]).parent)
+    assert list(sets) == ["held-out", "transfer", "held-out, multi-turn"]
+    assert sets["held-out, multi-turn"][0].name == "gsm8k-turns" and raw["held-out, multi-turn"] == raw["held-out"]
+    chosen = {name: sets[name] for name in ("held-out", "held-out, multi-turn")}
+    out = score_model(resolve_model("smollm2-135m-instruct", "gsm8k"), chosen, raw, args)
+    assert [p["steps"] for p in out["held-out, multi-turn"]] == [p["steps"] for p in out["held-out"]]
+    assert all(p["cut"] == [True] for p in out["held-out, multi-turn"])
 
 
 def test_the_why_tables_training_row_reads_a_multi_turn_log():

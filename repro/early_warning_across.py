@@ -150,7 +150,7 @@ def embedded_runs(args: Args) -> list[Run]:
     return list(runs.values())
 
 
-def real_runs(leave_out: tuple[str, ...] = ()) -> list[Run]:
+def real_runs(leave_out=()) -> list[Run]:
     """Every logged real-model staleness run, each with its seed's K = 0 run (the recipe's grpo.py; seed 2's from
     the study-run benchmark)."""
     k0 = {int(p.stem.rsplit("_s", 1)[1]): p for p in (LOGS / "repro_real_model_recipe").glob("shaped_lr1e-5_s*.jsonl")}
@@ -177,7 +177,7 @@ def describe(runs: list[Run]) -> str:
 
 
 def main(args: Args) -> None:
-    jobs = {"embedded": embedded_runs(args), "real": real_runs(tuple(args.leave_out))}
+    jobs = {"embedded": embedded_runs(args), "real": real_runs(args.leave_out)}
     split = {job: ([r for r in runs if r.reference is not None and trouble_step(r) is not None],
                    [r for r in runs if r.reference is None or trouble_step(r) is None]) for job, runs in jobs.items()}
     lines = [f"Runs and labels. {job}: {describe(runs)}" for job, runs in jobs.items()]

@@ -1,12 +1,13 @@
 """Sampling and scoring: masks, log-probs, reproducible noise, pass@k."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import CHAT_TEMPLATE, assert_same_samples
 
-from common.rollout import concat_rollouts, pass_at_k, rollout, select_rows, token_logprobs
+from common.rollout import concat_rollouts, model_digest, pass_at_k, rollout, select_rows, token_logprobs
 from common.sampling import Rollout, completion_mask, encode_prompts, inverse_cdf, row_uniforms, sample, truncate
 
 PROMPTS = ["1>", "12345>", "987>", "4+55="]  # different lengths: left padding is exercised
@@ -296,10 +297,6 @@ def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_chang
 
 def test_the_evaluation_cache_key_is_the_sampler_code_this_process_imported(tiny_model, tokenizer, monkeypatch):
     """A run that outlives an edit of common/ must not file its completions under the edited code's key."""
-    from pathlib import Path
-
-    from common.rollout import model_digest
-
     before = model_digest(tiny_model, tokenizer)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "edited since")
     assert model_digest(tiny_model, tokenizer) == before

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags
-from runner import Job, evals, over_steps, run_jobs, save_table
+from runner import Job, command as runner_command, evals, over_steps, run_jobs, save_table
 
 ARMS = {"hf": [], "vllm": ["--engine", "vllm"], "vllm_tis": ["--engine", "vllm", "--tis-cap", "2"]}
 
@@ -39,6 +39,13 @@ class Args:
     name: str = "real_model_engine"
 
 
+def command(args: Args) -> str:
+    """The command that writes this table (its first line): the arms, seed, dtype and budget, and each other flag not
+    at its default."""
+    always = ("arms", "seed", "dtype", "steps", "eval_prompts")
+    return f"`{runner_command('repro/real_model_engine.py', args, always)}`"
+
+
 def main(args: Args) -> None:
     for arm in args.arms:
         if arm not in ARMS:
@@ -47,8 +54,7 @@ def main(args: Args) -> None:
             "--dtype", args.dtype, "--seed", str(args.seed)]
     runs = run_jobs([Job(f"{arm}_{args.dtype}_s{args.seed}", "grpo.py", [*base, *ARMS[arm]]) for arm in args.arms],
                     args.output_dir)
-    lines = [f"`python repro/real_model_engine.py --arms {' '.join(args.arms)} --seed {args.seed} --dtype {args.dtype} "
-             f"--steps {args.steps} --eval-prompts {args.eval_prompts}`: recipe {args.recipe}; mismatch = the sampler's "
+    lines = [f"{command(args)}: recipe {args.recipe}; mismatch = the sampler's "
              "log-probs mu against the trainer's pi_old at the same weights, over each step's completion tokens "
              "(mean over steps; max: over steps of each step's max)", "",
              "| arm | mean abs log ratio | max abs log ratio | engine KL | reward: first 3 -> last 3 steps | grad norm | "

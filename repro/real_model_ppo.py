@@ -32,7 +32,8 @@ from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import LOGS, Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, read_log, run_jobs, save_table
+from runner import (LOGS, Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
+                    read_log, run_jobs, save_table)
 
 ARMS = {  # name: ppo.py flags on top of the recipe's
     "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
@@ -81,6 +82,13 @@ def grpo_run(seed: int) -> dict | None:
     return None
 
 
+def command(args: Args) -> str:
+    """The command that writes this table (its first line): the arms, seeds, budget and target, and each other flag not
+    at its default."""
+    always = ("arms", "seeds", "steps", "eval_every", "eval_prompts", "target")
+    return f"`{runner_command('repro/real_model_ppo.py', args, always)}`"
+
+
 def main(args: Args) -> None:
     for arm in args.arms:
         if arm not in ARMS:
@@ -95,10 +103,7 @@ def main(args: Args) -> None:
     for run in runs.values():
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
 
-    lines = [f"`python repro/real_model_ppo.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} --steps "
-             f"{args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
-             + (f" --name {args.name}" if args.name != "real_model_ppo" else "") + (" --finished-only" if args.finished_only else "")
-             + "`", "",
+    lines = [command(args), "",
              "grpo.py: the recipe's own runs, from their kept logs in repro/results/logs/: " + ", ".join(
                  f"seed {seed} {run['log']}" for (arm, seed), run in runs.items() if arm == "grpo.py") + ".", "",
              "| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "

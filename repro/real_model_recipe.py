@@ -15,6 +15,7 @@ gradient, the share of completions cut at the budget, wall time and peak memory.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -93,8 +94,10 @@ def cell(first: dict, last: dict, key: str) -> str:
 
 def rise_in_se(first: dict, last: dict, key: str) -> float:
     """(final - base) over the standard error of that difference, the two ends' errors taken as independent: a
-    conservative choice, since both ends evaluate the same prompts and their errors are positively correlated."""
-    return (last[key] - first[key]) / (first[key + "_se"] ** 2 + last[key + "_se"] ** 2) ** 0.5
+    conservative choice, since both ends evaluate the same prompts and their errors are positively correlated. Both
+    errors are 0 only where both ends score 0 or 1 on every prompt: no move is 0, a move (0 -> 1) +-inf."""
+    rise, se = last[key] - first[key], (first[key + "_se"] ** 2 + last[key + "_se"] ** 2) ** 0.5
+    return rise / se if se > 0 else math.copysign(math.inf, rise) if rise else 0.0
 
 
 def command(args: Args) -> str:

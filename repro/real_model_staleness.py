@@ -38,7 +38,8 @@ from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import Job, collapsed, evals, first_step_reaching, mean_sd, over_steps, pyplot, run_jobs, save_table
+from runner import (Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
+                    run_jobs, save_table)
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
@@ -138,6 +139,13 @@ def check_k0(base: list[str], output_dir: str) -> None:
     print("K = 0 emulated == grpo.py: every logged number of 2 steps identical")
 
 
+def command(args: Args) -> str:
+    """The command that writes this table (its first line): the arms, seeds, budget and target, and each other flag not
+    at its default."""
+    always = ("arms", "seeds", "steps", "eval_every", "eval_prompts", "target")
+    return f"`{runner_command('repro/real_model_staleness.py', args, always)}`"
+
+
 def main(args: Args) -> None:
     for arm in args.arms:
         if arm not in ARMS:
@@ -167,11 +175,7 @@ def main(args: Args) -> None:
         run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
 
-    lines = [f"`python repro/real_model_staleness.py --arms {' '.join(args.arms)} --seeds {' '.join(map(str, args.seeds))} "
-             f"--steps {args.steps} --eval-every {args.eval_every} --eval-prompts {args.eval_prompts} --target {args.target}"
-             + (f" --output-dir {args.output_dir} --name {args.name}" if args.name != "real_model_staleness" else "")
-             + (" --finished-only" if args.finished_only else "") + "`",
-             "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
+    lines = [command(args), "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
              "clipped low, high (%) | format reward, cut (last 10 steps) | collapsed | wall time (s) |", "|---" * 14 + "|"]
     for (arm, seed), run in runs.items():  # in ARMS order

@@ -14,11 +14,15 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "repro"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_run  # noqa: E402
+import real_model_engine  # noqa: E402
+import real_model_ppo  # noqa: E402
+import real_model_recipe  # noqa: E402
+import real_model_staleness  # noqa: E402
+import real_model_why  # noqa: E402
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
-from real_model_recipe import (DATA, RECIPES, Args as RecipeArgs, by_turn, command as recipe_command, flags,  # noqa: E402
-                               with_recipe)
+from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, by_turn, flags, rise_in_se, with_recipe  # noqa: E402
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
-from real_model_why import Args as WhyArgs, command as why_command, evaluation_sets, score_model, training_log  # noqa: E402
+from real_model_why import Args as WhyArgs, evaluation_sets, score_model, training_log  # noqa: E402
 
 from common.models import resolve_model  # noqa: E402
 
@@ -52,15 +56,6 @@ def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
     bench = tyro.cli(grpo.Args, args=here(study_run.grpo_flags(study_run.Args())))
     recipe = tyro.cli(grpo.Args, args=here([*with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]), "--seed", "2"]))
     assert bench.seed == 2 and vars(bench) == vars(recipe)
-
-
-def test_the_why_tables_command_is_the_one_that_wrote_it():
-    """Its first line, run, writes the same table: the same runs, problems, samples, budget, temperature and name."""
-    for args in (WhyArgs(), WhyArgs(runs=["stepwise_lr1e-5_s0", "stepwise_lr1e-5_s1"], name="real_model_why_stepwise"),
-                 WhyArgs(problems=50, samples=8, max_new_tokens=64, temperature=1.0),
-                 WhyArgs(runs=["turns_lr1e-5_s0"], multi_turn=True, name="real_model_why_turns")):
-        script, *flags = why_command(args).split()[1:]
-        assert script == "repro/real_model_why.py" and tyro.cli(WhyArgs, args=flags) == args
 
 
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):
@@ -112,13 +107,35 @@ def test_the_two_pass_multi_turn_recipes_differ_from_the_one_pass_one_only_in_wh
     assert parsed["turns2_tokenmean_lr1e-5"].loss_agg == "token-mean"
 
 
-def test_the_recipe_tables_command_is_the_one_that_wrote_it():
-    """Its first line, run, writes the same table into the same directory: --output-dir and --name where not the
-    defaults (a study in its own directory read back from another would run again)."""
-    for args in (RecipeArgs(), RecipeArgs(runs=["turns2_lr1e-5:0"], steps=12, eval_every=1000, eval_prompts=20,
-                                          output_dir="runs/repro_real_model_turns_clip", name="real_model_turns_clip")):
-        script, *rest = recipe_command(args).strip("`").split()[1:]
-        assert script == "repro/real_model_recipe.py" and tyro.cli(RecipeArgs, args=rest) == args
+@pytest.mark.parametrize("study, variants", [
+    (real_model_recipe, [{}, {"runs": ["turns2_lr1e-5:0"], "steps": 12, "eval_every": 1000, "eval_prompts": 20,
+                              "output_dir": "runs/repro_real_model_turns_clip", "name": "real_model_turns_clip"}]),
+    (real_model_why, [{}, {"runs": ["stepwise_lr1e-5_s0", "stepwise_lr1e-5_s1"], "name": "real_model_why_stepwise"},
+                      {"problems": 50, "samples": 8, "max_new_tokens": 64, "temperature": 1.0},
+                      {"runs": ["turns_lr1e-5_s0"], "multi_turn": True, "name": "real_model_why_turns"}]),
+    (real_model_ppo, [{}, {"arms": ["equal"], "seeds": [0, 1, 2], "finished_only": True},
+                      {"output_dir": "runs/elsewhere", "name": "real_model_ppo_elsewhere", "steps": 20}]),
+    (real_model_staleness, [{}, {"arms": ["K0", "K4_tis_cap3"], "name": "real_model_staleness_part2", "finished_only": True},
+                            {"recipe": "accuracy_lr1e-5", "output_dir": "runs/elsewhere", "check_k0": True}]),
+    (real_model_engine, [{}, {"arms": ["hf"], "seed": 1, "dtype": "float32", "recipe": "accuracy_lr1e-5",
+                              "output_dir": "runs/elsewhere", "name": "real_model_engine_fp32"}]),
+])
+def test_each_real_model_tables_command_is_the_one_that_wrote_it(study, variants):
+    """A table's first line, run, writes the same table into the same directory: every flag not at its default (a
+    study read back from another --output-dir would run again; another --recipe would be another study)."""
+    for changed in variants:
+        args = study.Args(**changed)
+        script, *flags = study.command(args).strip("`").split()[1:]
+        assert script == f"repro/{study.__name__}.py" and tyro.cli(study.Args, args=flags) == args
+
+
+def test_a_rise_measured_without_spread_is_zero_when_nothing_moved():
+    """A small evaluation can score 0 at both ends (greedy on 20 transfer prompts): both standard errors are 0. No
+    rise is 0 standard errors; a move between the two sure ends (0 -> 1) has no finite size in standard errors."""
+    zero, one = {"greedy": 0.0, "greedy_se": 0.0}, {"greedy": 1.0, "greedy_se": 0.0}
+    assert rise_in_se(zero, zero, "greedy") == 0.0
+    assert rise_in_se(zero, one, "greedy") == float("inf") and rise_in_se(one, zero, "greedy") == float("-inf")
+    assert rise_in_se({"greedy": 0.1, "greedy_se": 0.03}, {"greedy": 0.5, "greedy_se": 0.04}, "greedy") == pytest.approx(8.0)
 
 
 def test_the_clip_by_turn_is_each_turns_mean_over_the_steps_that_had_it():

@@ -75,6 +75,13 @@ def step_efficiency(k0: list[tuple[int, float]], final: tuple[int, float]) -> fl
     return float("inf") if reached is None else reached / step
 
 
+def mean_efficiency(effs: list[float], floors: list[float]) -> tuple[float, bool]:
+    """The seeds' mean e, and whether it is a lower bound: a seed beyond K = 0's reach (e = inf) counts at its floor,
+    K = 0's last evaluated step over the stale run's steps (K = 0 would need more steps than it ran)."""
+    beyond = [e == float("inf") for e in effs]
+    return statistics.mean(floor if out else e for e, floor, out in zip(effs, floors, beyond)), any(beyond)
+
+
 def curve(rows: list[dict]) -> list[tuple[int, float]]:
     return [(e["step"], e["eval/pass@1"]) for e in evals(rows)]
 
@@ -127,7 +134,7 @@ def main(args: Args) -> None:
         K = int(arm[1])
         finals = {s: curve(r)[-1] for s, r in seeds.items()}
         eff = {s: step_efficiency(curve(k0[s]), final) for s, final in finals.items()}
-        efficiency[arm] = eff
+        efficiency[arm] = mean_efficiency(list(eff.values()), [curve(k0[s])[-1][0] / finals[s][0] for s in eff])
         reach = {s: crossing(curve(r), args.target) for s, r in seeds.items()}
         ratios = []
         for f in args.shares:
@@ -143,25 +150,26 @@ def main(args: Args) -> None:
                      f"{', '.join('> 1' if e == float('inf') else f'{e:.2f}' for e in eff.values())} | {steps} | "
                      f"{statistics.mean(share(r) for r in seeds.values()):.2f} | " + " | ".join(ratios) + " |")
     rule = ["", "The rule (step efficiency e, mean over seeds; async at K >= 1 gains iff e > max(f, 1 - f) + P / T): "]
-    for arm, eff in efficiency.items():
+    for arm, (e, bound) in efficiency.items():
         if arm == "K0":
             continue
-        e = statistics.mean(min(x, 1e9) for x in eff.values())
-        rule.append(f"- {arm}: e = {e:.2f}: " + (f"pays for sampling shares f in ({1 - e:.2f}, {e:.2f})" if e > 0.5 else
-                                                  "pays at no sampling share (e <= 0.5: even a perfect overlap, at f = 0.5, halves a step only)"))
+        at_least = " at least" if bound else ""  # a seed beyond K = 0's reach: its e is at least its floor
+        rule.append(f"- {arm}: e{' >=' if bound else ' ='} {e:.2f}: " + (
+            f"pays{at_least} for sampling shares f in ({1 - e:.2f}, {e:.2f})" if e > 0.5 else
+            "pays at no sampling share (e <= 0.5: even a perfect overlap, at f = 0.5, halves a step only)" if not bound else
+            "no share can be named (a lower bound at or below 0.5)"))
     out = save_table("real_model_async_pays", "\n".join(lines + rule) + "\n")
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     grid = [i / 100 for i in range(5, 96)]
-    for arm, eff in efficiency.items():
+    for arm, (e, bound) in efficiency.items():
         if arm == "K0":
             continue
-        e = statistics.mean(min(x, 1e9) for x in eff.values())
         if e == 0:  # ended below the base model: never reaches K = 0's accuracy, at any share
             continue
-        ax.plot(grid, [max(f, 1 - f) / min(e, 1e9) for f in grid], label=f"{arm} (e = {e:.2f})")
+        ax.plot(grid, [max(f, 1 - f) / e for f in grid], label=f"{arm} (e {'>=' if bound else '='} {e:.2f})")
     ax.axhline(1, color="k", lw=0.8, ls="--")
     ax.axvspan(0.4, 0.6, color="0.9", label="measured here")
     ax.set(xlabel="sampling share of a synchronous step f", ylabel="time to K = 0's accuracy, relative (< 1: async pays)",

@@ -17,6 +17,7 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
 - equal_lam1: as equal, with GAE's lam = 1 (Monte-Carlo returns: every token's advantage is R - V(s_t), the whole
   reward, as in grpo.py where every token gets its sequence's advantage): isolates the decay of the reward's credit
   along a long completion.
+- defaults_lam1: the defaults with lam = 1: the 16 optimiser steps a batch apart from GAE's decay.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
 after the epochs, the value's explained variance, collapse, wall time and peak memory. Writes
@@ -42,6 +43,9 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     # the mechanism of equal's collapse to "#### N" (repro/README.md): GAE's lam = 0.95 gives a token 100 tokens before
     # the reward 0.95^100 = 0.6 % of it, a 4-token answer all of it; lam = 1 gives every token R - V(s_t)
     "equal_lam1": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0"],
+    # the defaults collapse as well (held-out 0.100 -> 0.020, seed 0) with long answers kept: lam = 1 at 16 steps a
+    # batch separates what the 16 optimiser steps do from what lam does
+    "defaults_lam1": ["--ppo-epochs", "4", "--minibatches", "4", "--lam", "1.0"],
 }
 
 

@@ -175,7 +175,8 @@ def main(args: Args) -> None:
         run["ran"] = run["rows"][-1]["step"]  # first steps are those of a shorter run
         run["rows"] = [r for r in run["rows"] if r["step"] <= args.steps]
 
-    lines = [command(args), "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
+    lines = [command(args),
+             "", f"| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | compute s to {args.target} | s per step | behaviour KL (mean, max) | ESS (mean, min) | "
              "clipped low, high (%) | format reward, cut (last 10 steps) | collapsed | wall time (s) |", "|---" * 14 + "|"]
     for (arm, seed), run in runs.items():  # in ARMS order

@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "repro"))
-from real_model_async_pays import crossing, seconds_to, share, step_efficiency  # noqa: E402
+from real_model_async_pays import crossing, mean_efficiency, seconds_to, share, step_efficiency  # noqa: E402
 
 
 def test_crossing_is_linear_between_evaluations():
@@ -33,3 +33,10 @@ def test_step_efficiency_is_the_share_of_k0s_steps_a_stale_step_is_worth():
     assert step_efficiency(k0, (40, 0.20)) == pytest.approx(0.5)  # K = 0 got there in 20 steps, the stale run in 40
     assert step_efficiency(k0, (40, 0.05)) == pytest.approx(0.0)  # a collapse below the base model: worth nothing, not "pays"
     assert step_efficiency(k0, (40, 0.35)) == float("inf")  # beyond K = 0's reach
+
+
+def test_a_seed_beyond_k0s_reach_makes_the_mean_efficiency_a_lower_bound():
+    """K = 0 never reached seed 1's final accuracy in its 40 evaluated steps and the stale run took 40: that seed's e is
+    at least 40 / 40, so the mean over seeds is at least (0 + 1) / 2, not an average with infinity."""
+    assert mean_efficiency([0.0, float("inf")], [1.0, 1.0]) == (pytest.approx(0.5), True)
+    assert mean_efficiency([0.5, 0.7], [1.0, 1.0]) == (pytest.approx(0.6), False)

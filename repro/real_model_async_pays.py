@@ -134,7 +134,8 @@ def main(args: Args) -> None:
         K = int(arm[1])
         finals = {s: curve(r)[-1] for s, r in seeds.items()}
         eff = {s: step_efficiency(curve(k0[s]), final) for s, final in finals.items()}
-        efficiency[arm] = mean_efficiency(list(eff.values()), [curve(k0[s])[-1][0] / finals[s][0] for s in eff])
+        floors = {s: curve(k0[s])[-1][0] / finals[s][0] for s in eff}  # a seed beyond K = 0's reach: e > its floor
+        efficiency[arm] = mean_efficiency(list(eff.values()), list(floors.values()))
         reach = {s: crossing(curve(r), args.target) for s, r in seeds.items()}
         ratios = []
         for f in args.shares:
@@ -147,7 +148,7 @@ def main(args: Args) -> None:
                           if per_seed else "never")
         steps = ", ".join(f"{x:.0f}" if x is not None else f"> {curve(seeds[s])[-1][0]}" for s, x in reach.items())
         lines.append(f"| {arm} | {', '.join(map(str, seeds))} | {', '.join(f'{p:.3f}' for _, p in finals.values())} | "
-                     f"{', '.join('> 1' if e == float('inf') else f'{e:.2f}' for e in eff.values())} | {steps} | "
+                     f"{', '.join(f'> {floors[s]:g}' if e == float('inf') else f'{e:.2f}' for s, e in eff.items())} | {steps} | "
                      f"{statistics.mean(share(r) for r in seeds.values()):.2f} | " + " | ".join(ratios) + " |")
     rule = ["", "The rule (step efficiency e, mean over seeds; async at K >= 1 gains iff e > max(f, 1 - f) + P / T): "]
     for arm, (e, bound) in efficiency.items():

@@ -133,7 +133,7 @@ def test_a_rise_measured_without_spread_is_zero_when_nothing_moved():
     """A small evaluation can score 0 at both ends (greedy on 20 transfer prompts): both standard errors are 0. No
     rise is 0 standard errors; a move between the two sure ends (0 -> 1) has no finite size in standard errors."""
     zero, one = {"greedy": 0.0, "greedy_se": 0.0}, {"greedy": 1.0, "greedy_se": 0.0}
-    assert rise_in_se(zero, zero, "greedy") == 0.0
+    assert rise_in_se(zero, zero, "greedy") == 0.0  # exact by construction: the no-spread branch returns the literal 0.0
     assert rise_in_se(zero, one, "greedy") == float("inf") and rise_in_se(one, zero, "greedy") == float("-inf")
     assert rise_in_se({"greedy": 0.1, "greedy_se": 0.03}, {"greedy": 0.5, "greedy_se": 0.04}, "greedy") == pytest.approx(8.0)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import tyro
 from runner import ROOT, Job, command as runner_command, evals, pyplot, run_jobs, save_table
@@ -75,9 +76,19 @@ class Args:
     """the results files: repro/results/<name>.{md,png}"""
 
 
+def data() -> Path:
+    """data/word_problems/, the problems every real-model study trains and evaluates on: not in git, so written on first
+    use (common/word_problems.py builds them from fixed seeds: the same files on every machine)."""
+    if not (DATA / "transfer.jsonl").is_file():
+        word_problems.write(DATA)
+    return DATA
+
+
 def flags(args: Args) -> list[str]:
-    return ["--model", "smollm2-135m-instruct", "--task", "gsm8k", "--data-path", str(DATA / "train.jsonl"),
-            "--eval-data-path", str(DATA / "test.jsonl"), "--extra-eval-data-path", str(DATA / "transfer.jsonl"),
+    """grpo.py's flags for the recipe (each study starts from them), with the data files they name written."""
+    words = data()
+    return ["--model", "smollm2-135m-instruct", "--task", "gsm8k", "--data-path", str(words / "train.jsonl"),
+            "--eval-data-path", str(words / "test.jsonl"), "--extra-eval-data-path", str(words / "transfer.jsonl"),
             "--temperature", "0.7", "--max-new-tokens", "128", "--prompts-per-step", "4", "--num-generations", "8",
             "--beta", "0", "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--eval-prompts",
             str(args.eval_prompts), "--eval-samples", "4", "--eval-k", "4", "--save-every", "1000"]
@@ -127,8 +138,6 @@ def by_turn(rows: list[dict]) -> str:
 
 
 def main(args: Args) -> None:
-    if not (DATA / "transfer.jsonl").is_file():
-        word_problems.write(DATA)
     plan = []
     for run in args.runs:
         recipe, _, seed = run.partition(":")

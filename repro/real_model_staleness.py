@@ -33,12 +33,13 @@ study. Writes repro/results/<name>.{md,png}.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import (Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
+from runner import (ROOT, Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
                     run_jobs, save_table)
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
@@ -84,6 +85,9 @@ class Args:
     name: str = "real_model_staleness"
     finished_only: bool = False
     """tabulate the runs of --arms x --seeds that have finished and start none (a study spread over sessions)"""
+    pool_with: list[str] = field(default_factory=list)
+    """other tables of this study (repro/results/<name>.md) whose runs join this table's in a pooled line: each run of
+    an arm one draw (a rerun of a seed is another run: the products' order alone flips a draw and the runs part)"""
     check_k0: bool = False
     """first run grpo.py and async_grpo.py --mode emulated --max-staleness 0 for 2 steps on this model and stop
     unless their logged numbers are identical"""
@@ -118,6 +122,36 @@ def compute_seconds(rows: list[dict], up_to: int | None = None) -> float:
     return sum(r[wait] + r["time/train_s"] for r in rows if "time/train_s" in r and (up_to is None or r["step"] <= up_to))
 
 
+def table_runs(text: str) -> dict[tuple[str, str, str], float]:
+    """{(arm, seed, wall time): final held-out pass@1} of each row of a staleness table's first table (its third column,
+    'base ± se -> final ± se'); a run that two tables read (part 2 reads part 1's logs) has one key."""
+    runs, header = {}, False
+    for line in text.splitlines():
+        if line.startswith("| arm | seed | held-out pass@1"):
+            header = True
+        elif header and not line.startswith("|"):
+            break
+        elif header and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            runs[(cells[0], cells[1], cells[-1])] = float(cells[2].split("->")[1].split("±")[0])
+    return runs
+
+
+def pooled(runs: dict[tuple[str, str, str], float], arms: list[str], reference: str = "K0") -> str:
+    """Each arm's mean ± standard error over its runs (n), then the reference arm less each other arm, in standard
+    errors of that difference (the two means' errors taken as independent)."""
+    finals = {arm: [v for (a, _, _), v in runs.items() if a == arm] for arm in arms}
+    stats = {arm: (statistics.mean(v), statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan"), len(v))
+             for arm, v in finals.items() if v}
+    text = ", ".join(f"{arm} {m:.3f}" + (f" ± {se:.3f}" if n > 1 else "") + f" ({n})" for arm, (m, se, n) in stats.items())
+    if reference not in stats or stats[reference][2] < 2:
+        return text
+    m0, se0, _ = stats[reference]
+    gaps = [f"{reference} - {arm} {m0 - m:.3f} ({(m0 - m) / (se0 ** 2 + se ** 2) ** 0.5:.1f} se)"
+            for arm, (m, se, n) in stats.items() if arm != reference and n > 1]
+    return text + ("; " + ", ".join(gaps) if gaps else "")
+
+
 def pass1(e: list[dict], prefix: str) -> str:
     """'base ± se -> final ± se' of the held-out pass@1 under prefix."""
     first, last = e[0], e[-1]
@@ -150,6 +184,10 @@ def main(args: Args) -> None:
     for arm in args.arms:
         if arm not in ARMS:
             raise SystemExit(f"--arms: unknown arm {arm!r} (choose from {', '.join(ARMS)})")
+    for name in args.pool_with:
+        if name == args.name or not (ROOT / "repro" / "results" / f"{name}.md").is_file():
+            raise SystemExit(f"--pool-with: {name!r} is " + ("this table (--name)" if name == args.name else
+                                                             f"not a table in repro/results/"))
     if args.recipe not in RECIPES:
         raise SystemExit(f"--recipe: unknown recipe {args.recipe!r} (choose from {', '.join(RECIPES)})")
     base = with_recipe(recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),
@@ -207,6 +245,12 @@ def main(args: Args) -> None:
     finals = {arm: [runs[(arm, s)]["rows"] for s in args.seeds if (arm, s) in runs] for arm in args.arms}
     lines += ["", "final held-out pass@1 by arm (mean ± sd over seeds): " + ", ".join(
         f"{arm} {mean_sd([evals(r)[-1]['eval/pass@1'] for r in rows])}" for arm, rows in finals.items() if rows)]
+    if args.pool_with:
+        runs_read = table_runs("\n".join(lines))
+        for name in args.pool_with:
+            runs_read |= table_runs((ROOT / "repro" / "results" / f"{name}.md").read_text())
+        lines += ["", f"pooled with the runs of {', '.join(args.pool_with)} (mean ± se over runs, n runs; a difference "
+                      "in standard errors of the difference, runs independent): " + pooled(runs_read, args.arms)]
     out = save_table(args.name, "\n".join(lines) + "\n")
     plt = pyplot()
     if plt is None:

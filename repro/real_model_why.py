@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import tyro
+from real_model_recipe import data
 from runner import ROOT, command as runner_command, save_table
 
 from common.logging import read_metrics
@@ -133,7 +134,7 @@ def command(args: Args) -> str:
 
 def main(args: Args) -> None:
     paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
-    sets, raw = evaluation_sets(args)
+    sets, raw = evaluation_sets(args, data())
     results = {model: score_model(path, sets, raw, args) for model, path in paths.items()}
     trained = list(args.runs)
     lines = [f"`{command(args)}`",

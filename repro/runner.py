@@ -50,10 +50,12 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
             if before:
                 before["extended_from"] = read_metrics(run_dir)[-1]["step"]
             t0 = time.time()
-            proc = subprocess.Popen([sys.executable, job.script, *job.flags, *resume, "--output-dir", output_dir,
-                                     "--run-name", job.name], cwd=ROOT, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    env={**os.environ, "OMP_NUM_THREADS": threads})
-            _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir / "stderr.log", "a") as err:  # the child's warnings and errors, kept beside its run
+                proc = subprocess.Popen([sys.executable, job.script, *job.flags, *resume, "--output-dir", output_dir,
+                                         "--run-name", job.name], cwd=ROOT, stderr=err, stdout=subprocess.DEVNULL,
+                                        env={**os.environ, "OMP_NUM_THREADS": threads})
+                _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
             wall = time.time() - t0 + before.get("wall_s", 0.0)  # all the pieces
             piece = {**before, "wall_s": wall, "peak_rss_mb": max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))}
             code = os.waitstatus_to_exitcode(status)  # wait4's status is encoded (exit 130 reads 33280)
@@ -62,7 +64,9 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
                 raise SystemExit(f"{job.name}: stopped at step {read_metrics(run_dir)[-1]['step']} (checkpointed); the same "
                                  "command extends it")
             if code != 0:
-                raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {code}")
+                said = [line for line in (run_dir / "stderr.log").read_text().splitlines() if line.strip()]
+                raise RuntimeError(f"{job.name}: {job.script} {' '.join(job.flags)} exited with status {code}: "
+                                   f"{said[-1] if said else '(nothing on stderr)'}")
             done.write_text(json.dumps(piece) + "\n")
             stopped.unlink(missing_ok=True)
             print(f"  {job.name}: {wall:.0f}s", flush=True)

@@ -129,6 +129,38 @@ def test_each_real_model_tables_command_is_the_one_that_wrote_it(study, variants
         assert script == f"repro/{study.__name__}.py" and tyro.cli(study.Args, args=flags) == args
 
 
+def test_the_recipes_flags_bring_the_data_they_name(tmp_path, monkeypatch):
+    """data/word_problems/ is not in git: on a fresh clone the staleness, ppo and engine studies, which start from the
+    recipe's flags, found no files and every run exited with status 2. The flags write what they name (fixed seeds: the
+    same files on every machine)."""
+    monkeypatch.setattr(real_model_recipe, "DATA", tmp_path / "word_problems")
+    named = flags(RecipeArgs())
+    paths = [Path(named[named.index(flag) + 1]) for flag in ("--data-path", "--eval-data-path", "--extra-eval-data-path")]
+    assert [p.parent for p in paths] == [tmp_path / "word_problems"] * 3 and all(p.is_file() for p in paths)
+
+
+def test_the_pooled_line_counts_each_run_once_from_every_table():
+    """A rerun of a seed is another draw: the pooled line is each arm's mean ± se over every run the tables hold, a run
+    that two tables read (same arm, seed and wall time) once; the early-warning table below the first is not read."""
+    table = "\n".join([
+        "| arm | seed | held-out pass@1: base -> final | transfer | wall time (s) |", "|---|---|---|---|---|",
+        "| K0 | 0 | 0.100 ± 0.015 -> 0.200 ± 0.024 | x | 1365 |", "| K2_none | 0 | 0.100 ± 0.015 -> 0.100 ± 0.02 | x | 1519 |",
+        "", "| arm | seed | behaviour KL |", "|---|---|---|", "| K0 | 0 | 0 -> 0 |"])
+    again = "\n".join([table.split("\n\n")[0], "| K0 | 1 | 0.085 ± 0.015 -> 0.300 ± 0.03 | x | 1254 |",
+                       "| K0 | 0 | 0.100 ± 0.015 -> 0.250 ± 0.03 | x | 3433 |", "| K2_none | 1 | 0.085 -> 0.120 ± 0.02 | x | 2126 |",
+                       "| threaded | 0 | 0.1 -> 0.025 ± 0.01 | x | 1996 |"])
+    runs = real_model_staleness.table_runs(table) | real_model_staleness.table_runs(again)
+    assert sorted(runs.values()) == [0.025, 0.1, 0.12, 0.2, 0.25, 0.3]  # K0 seed 0's 1365 s run read by both, once
+    # K0: 0.25 ± 0.05 / 3 ** 0.5; K2_none: 0.11 ± 0.01; K0 - K2_none: 0.14 / (0.0289 ** 2 + 0.01 ** 2) ** 0.5 = 4.58
+    assert real_model_staleness.pooled(runs, ["K0", "K2_none", "threaded"]) == (
+        "K0 0.250 ± 0.029 (3), K2_none 0.110 ± 0.010 (2), threaded 0.025 (1); K0 - K2_none 0.140 (4.6 se)")
+
+
+def test_a_table_to_pool_with_that_is_not_there_is_refused_before_any_run():
+    with pytest.raises(SystemExit, match="--pool-with: 'nope' is not a table in repro/results/"):
+        real_model_staleness.main(real_model_staleness.Args(arms=["K0"], pool_with=["nope"]))
+
+
 def test_a_rise_measured_without_spread_is_zero_when_nothing_moved():
     """A small evaluation can score 0 at both ends (greedy on 20 transfer prompts): both standard errors are 0. No
     rise is 0 standard errors; a move between the two sure ends (0 -> 1) has no finite size in standard errors."""

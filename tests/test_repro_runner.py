@@ -88,6 +88,8 @@ def test_a_run_stopped_by_sigterm_is_extended_by_the_same_command(tmp_path):
     assert not (out / "run" / "stopped.json").exists()
 
 
-def test_a_run_that_fails_is_an_error_not_a_stop(tmp_path):
-    with pytest.raises(RuntimeError, match="exited with status 2$"):  # refused by its argument check
+def test_a_run_that_fails_is_an_error_not_a_stop_and_says_why(tmp_path):
+    """The study prints no child's output, so its error repeats the child's last word (here its argument check's)."""
+    with pytest.raises(RuntimeError, match=r"exited with status 2: grpo.py: error: --steps must be >= 1 \(got 0\)$"):
         run_jobs([Job("bad", "grpo.py", [*FLAGS, "--steps", "0"])], str(tmp_path))
+    assert "--steps must be >= 1" in (tmp_path / "bad" / "stderr.log").read_text()  # the whole of it kept beside the run

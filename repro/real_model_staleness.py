@@ -39,8 +39,8 @@ from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import (ROOT, Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
-                    run_jobs, save_table)
+from runner import (ROOT, Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps,
+                    pyplot, run_jobs, save_table)
 
 ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe's directory
     "K0": ("grpo.py", []),
@@ -187,7 +187,7 @@ def main(args: Args) -> None:
     for name in args.pool_with:
         if name == args.name or not (ROOT / "repro" / "results" / f"{name}.md").is_file():
             raise SystemExit(f"--pool-with: {name!r} is " + ("this table (--name)" if name == args.name else
-                                                             f"not a table in repro/results/"))
+                                                             "not a table in repro/results/"))
     if args.recipe not in RECIPES:
         raise SystemExit(f"--recipe: unknown recipe {args.recipe!r} (choose from {', '.join(RECIPES)})")
     base = with_recipe(recipe_flags(RecipeArgs(steps=args.steps, eval_every=args.eval_every, eval_prompts=args.eval_prompts)),

@@ -32,7 +32,8 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
     run none and read those that have finished, to the job's --steps (a study spread over sessions: --finished-only).
     A run stopped by SIGTERM or Ctrl-C (`pkill -TERM -f 'run-name <name>'` at a session's end: it finishes its step and
     checkpoints) stops the study; the same command resumes it from that checkpoint, wall time and peak memory summed
-    over the pieces. A run killed outright (SIGKILL, a lost machine) leaves no stopped.json and starts again.
+    over the pieces. A run killed outright (SIGKILL, a lost machine) leaves no stopped.json and starts again. A child's
+    stderr is kept beside its run (<run>/stderr.log); a failed run's error repeats its last line.
     Returns {name: {"rows": metrics rows, "wall_s": seconds, "peak_rss_mb": the process's peak memory}}."""
     threads = str(max(1, (os.cpu_count() or 2) // workers))
 

@@ -144,10 +144,12 @@ def test_the_pooled_line_counts_each_run_once_from_every_table():
     that two tables read (same arm, seed and wall time) once; the early-warning table below the first is not read."""
     table = "\n".join([
         "| arm | seed | held-out pass@1: base -> final | transfer | wall time (s) |", "|---|---|---|---|---|",
-        "| K0 | 0 | 0.100 ± 0.015 -> 0.200 ± 0.024 | x | 1365 |", "| K2_none | 0 | 0.100 ± 0.015 -> 0.100 ± 0.02 | x | 1519 |",
+        "| K0 | 0 | 0.100 ± 0.015 -> 0.200 ± 0.024 | x | 1365 |",
+        "| K2_none | 0 | 0.100 ± 0.015 -> 0.100 ± 0.02 | x | 1519 |",
         "", "| arm | seed | behaviour KL |", "|---|---|---|", "| K0 | 0 | 0 -> 0 |"])
     again = "\n".join([table.split("\n\n")[0], "| K0 | 1 | 0.085 ± 0.015 -> 0.300 ± 0.03 | x | 1254 |",
-                       "| K0 | 0 | 0.100 ± 0.015 -> 0.250 ± 0.03 | x | 3433 |", "| K2_none | 1 | 0.085 -> 0.120 ± 0.02 | x | 2126 |",
+                       "| K0 | 0 | 0.100 ± 0.015 -> 0.250 ± 0.03 | x | 3433 |",
+                       "| K2_none | 1 | 0.085 -> 0.120 ± 0.02 | x | 2126 |",
                        "| threaded | 0 | 0.1 -> 0.025 ± 0.01 | x | 1996 |"])
     runs = real_model_staleness.table_runs(table) | real_model_staleness.table_runs(again)
     assert sorted(runs.values()) == [0.025, 0.1, 0.12, 0.2, 0.25, 0.3]  # K0 seed 0's 1365 s run read by both, once

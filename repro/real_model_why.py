@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import tyro
-from real_model_recipe import data
+from real_model_recipe import DATA, data as word_problems_data
 from runner import ROOT, command as runner_command, save_table
 
 from common.logging import read_metrics
@@ -35,7 +35,6 @@ from common.rollout import eval_rollouts
 from common.tasks import load_task, read_rows
 from common.word_problems import solution_steps
 
-DATA = ROOT / "data" / "word_problems"
 RECIPE_RUNS = ROOT / "runs" / "repro_real_model_recipe"
 
 
@@ -134,7 +133,7 @@ def command(args: Args) -> str:
 
 def main(args: Args) -> None:
     paths = {"base": resolve_model("smollm2-135m-instruct", "gsm8k"), **{run: last_checkpoint(run) for run in args.runs}}
-    sets, raw = evaluation_sets(args, data())
+    sets, raw = evaluation_sets(args, word_problems_data())
     results = {model: score_model(path, sets, raw, args) for model, path in paths.items()}
     trained = list(args.runs)
     lines = [f"`{command(args)}`",

@@ -151,8 +151,8 @@ def embedded_runs(args: Args) -> list[Run]:
 
 
 def real_runs(leave_out=()) -> list[Run]:
-    """Every logged real-model staleness run, each with its seed's K = 0 run (the recipe's grpo.py; seed 2's from
-    the study-run benchmark)."""
+    """Every logged real-model staleness run, each with its seed's K = 0 run (the recipe's grpo.py; for seed 2,
+    where the recipe study has no run, the study-run benchmark's)."""
     k0 = {int(p.stem.rsplit("_s", 1)[1]): p for p in (LOGS / "repro_real_model_recipe").glob("shaped_lr1e-5_s*.jsonl")}
     k0.setdefault(2, LOGS / "bench_study_run_onednn" / "K0_s2_after.jsonl")
     refs = {s: Run("real", f"K0_s{s}", 0, s, read_log(p)) for s, p in sorted(k0.items()) if p.exists()}

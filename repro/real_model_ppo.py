@@ -79,7 +79,8 @@ GRPO_LOGS = ("repro_real_model_recipe/shaped_lr1e-5_s{seed}.jsonl", "bench_study
 
 def grpo_run(seed: int) -> dict | None:
     """The recipe's grpo.py run of this seed from its kept log (metrics rows, wall time, peak memory), if there is one:
-    the recipe study's own, else the study-run benchmark's run of the same flags (seed 2 has only that one)."""
+    the recipe study's own, else the study-run benchmark's run of the same flags (seed 2 had only
+    that one until 2026-12-05)."""
     for path in (LOGS / name.format(seed=seed) for name in GRPO_LOGS):
         if path.exists():
             return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1]), "log": path.relative_to(LOGS)}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import tyro
 from async_corrections import job as corrections_job
 from async_lr_staleness import job as lr_job
-from runner import LOGS, collapsed, evals, pyplot, read_log, run_jobs, save_table, smooth
+from runner import LOGS, collapsed, evals, k0_logs, pyplot, read_log, run_jobs, save_table, smooth
 
 WARM_UP = 1  # step 1 trains on version 0's own samples in every run
 WINDOW = 5
@@ -151,11 +151,8 @@ def embedded_runs(args: Args) -> list[Run]:
 
 
 def real_runs(leave_out=()) -> list[Run]:
-    """Every logged real-model staleness run, each with its seed's K = 0 run (the recipe's grpo.py; for seed 2,
-    where the recipe study has no run, the study-run benchmark's)."""
-    k0 = {int(p.stem.rsplit("_s", 1)[1]): p for p in (LOGS / "repro_real_model_recipe").glob("shaped_lr1e-5_s*.jsonl")}
-    k0.setdefault(2, LOGS / "bench_study_run_onednn" / "K0_s2_after.jsonl")
-    refs = {s: Run("real", f"K0_s{s}", 0, s, read_log(p)) for s, p in sorted(k0.items()) if p.exists()}
+    """Every logged real-model staleness run, each with its seed's K = 0 run (runner.k0_logs: the recipe's grpo.py)."""
+    refs = {s: Run("real", f"K0_s{s}", 0, s, read_log(p)) for s, p in k0_logs().items()}
     runs = list(refs.values())
     for path in sorted(p for p in (LOGS / "repro_real_model_staleness").glob("K*_s*.jsonl") if p.stem not in leave_out):
         arm, seed = path.stem.rsplit("_s", 1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import tyro
-from runner import LOGS, evals, pyplot, read_log, save_table
+from runner import LOGS, evals, k0_logs, pyplot, read_log, save_table
 
 MECHANISM_ARMS = ("K4_none_noclip", "threaded")  # not a setting a user would pick (noclip) or not emulated (threaded)
 PARAMETERS = 134_515_008  # SmolLM2-135M-Instruct (tied embeddings counted once)
@@ -107,9 +107,7 @@ def seconds_to(rows: list[dict], step: float, f: float, K: int, push: float) -> 
 
 def logged_runs() -> dict[str, dict[int, list[dict]]]:
     """{arm: {seed: rows}} of every logged real-model staleness run and its K = 0 runs."""
-    runs: dict[str, dict[int, list[dict]]] = {"K0": {}}
-    for path in sorted((LOGS / "repro_real_model_recipe").glob("shaped_lr1e-5_s*.jsonl")):
-        runs["K0"][int(path.stem.rsplit("_s", 1)[1])] = read_log(path)
+    runs: dict[str, dict[int, list[dict]]] = {"K0": {s: read_log(p) for s, p in k0_logs().items()}}
     for path in sorted((LOGS / "repro_real_model_staleness").glob("K*_s*.jsonl")):
         arm, seed = path.stem.rsplit("_s", 1)
         if arm not in MECHANISM_ARMS:

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import tyro
 from real_model_recipe import RECIPES, Args as RecipeArgs, flags as recipe_flags, with_recipe
-from runner import (LOGS, Job, collapsed, command as runner_command, evals, first_step_reaching, mean_sd, over_steps, pyplot,
-                    read_log, run_jobs, save_table)
+from runner import (LOGS, Job, collapsed, command as runner_command, evals, first_step_reaching, k0_logs, mean_sd,
+                    over_steps, pyplot, read_log, run_jobs, save_table)
 
 ARMS = {  # name: ppo.py flags on top of the recipe's
     "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
@@ -72,19 +72,13 @@ def ppo_flags(args: Args) -> list[str]:
     return [*base[:i], "--kl-coef", base[i + 1], *base[i + 2:], "--no-eos-penalty", "None"]
 
 
-# a seed's grpo.py run: the recipe study's, else benchmarks/study_run.py's `after` arm (the same flags and seed, run
-# with the products, oneDNN's, of the code that runs ppo.py now)
-GRPO_LOGS = ("repro_real_model_recipe/shaped_lr1e-5_s{seed}.jsonl", "bench_study_run_onednn/K0_s{seed}_after.jsonl")
-
-
 def grpo_run(seed: int) -> dict | None:
     """The recipe's grpo.py run of this seed from its kept log (metrics rows, wall time, peak memory), if there is one:
-    the recipe study's own, else the study-run benchmark's run of the same flags (seed 2 had only
-    that one until 2026-12-05)."""
-    for path in (LOGS / name.format(seed=seed) for name in GRPO_LOGS):
-        if path.exists():
-            return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1]), "log": path.relative_to(LOGS)}
-    return None
+    runner.k0_logs' (the recipe study's own, else the study-run benchmark's run of the same flags)."""
+    path = k0_logs().get(seed)
+    if path is None:
+        return None
+    return {"rows": read_log(path), **json.loads(path.read_text().splitlines()[-1]), "log": path.relative_to(LOGS)}
 
 
 def command(args: Args) -> str:

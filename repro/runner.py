@@ -81,6 +81,21 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
 LOGS = ROOT / "repro" / "results" / "logs"
 
 
+# a seed's K = 0 run, grpo.py on the recipe: the recipe study's kept log, else benchmarks/study_run.py's `after` arm (the
+# same flags and seed, run with the products, oneDNN's, of the code that runs the studies now)
+K0_LOGS = ("repro_real_model_recipe/shaped_lr1e-5_s{seed}.jsonl", "bench_study_run_onednn/K0_s{seed}_after.jsonl")
+
+
+def k0_logs() -> dict[int, Path]:
+    """{seed: its K = 0 run's kept log} for every seed that has one, the first of K0_LOGS that exists: the one run every
+    real-model table compares a seed's other runs against."""
+    found: dict[int, Path] = {}
+    for name in reversed(K0_LOGS):
+        for path in LOGS.glob(name.format(seed="*")):
+            found[int(path.stem.split("_s")[-1].split("_")[0])] = path
+    return dict(sorted(found.items()))
+
+
 def keep_log(job: Job, run_dir: Path, output_dir: str) -> None:
     """A real-model run's per-step metrics and wall time, copied to repro/results/logs/<study>/<run>.jsonl (in git:
     runs/ is not, and a later question, such as which diagnostic warned first, is asked of every run's log)."""

@@ -14,11 +14,14 @@ from conftest import ROOT
 sys.path.insert(0, str(ROOT / "repro"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import study_run  # noqa: E402
+import early_warning_across  # noqa: E402
+import real_model_async_pays  # noqa: E402
 import real_model_engine  # noqa: E402
 import real_model_ppo  # noqa: E402
 import real_model_recipe  # noqa: E402
 import real_model_staleness  # noqa: E402
 import real_model_why  # noqa: E402
+import runner  # noqa: E402
 from real_model_ppo import ARMS, Args, ppo_flags  # noqa: E402
 from real_model_recipe import DATA, RECIPES, Args as RecipeArgs, by_turn, flags, rise_in_se, with_recipe  # noqa: E402
 from real_model_staleness import ARMS as STALENESS_ARMS  # noqa: E402
@@ -52,10 +55,34 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_nam
 
 
 def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):
-    """real_model_ppo.py compares seed 2 with benchmarks/study_run.py's kept run (the recipe study has no seed 2)."""
+    """benchmarks/study_run.py's kept run stands for a seed's K = 0 run where the recipe study has none (runner.k0_logs;
+    seed 2 until 2026-12-05): the same flags."""
     bench = tyro.cli(grpo.Args, args=here(study_run.grpo_flags(study_run.Args())))
     recipe = tyro.cli(grpo.Args, args=here([*with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"]), "--seed", "2"]))
     assert bench.seed == 2 and vars(bench) == vars(recipe)
+
+
+def test_every_study_reads_the_same_k0_run_of_a_seed(tmp_path, monkeypatch):
+    """A seed's K = 0 run (grpo.py on the recipe) is the recipe study's kept log, else the study-run benchmark's run of
+    the same flags (the test above): the ppo table, the early-warning labels and the async-pays time model all read
+    that one, so that no table compares against a K = 0 run another table does not."""
+    for module in (runner, real_model_ppo, early_warning_across, real_model_async_pays):
+        monkeypatch.setattr(module, "LOGS", tmp_path)
+
+    def log(name: str, accuracy: float) -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f'{{"step": 40, "eval/pass@1": {accuracy}}}\n{{"wall_s": 1.0, "peak_rss_mb": 2.0}}\n')
+        return path
+
+    recipe0 = log("repro_real_model_recipe/shaped_lr1e-5_s0.jsonl", 0.2)
+    log("bench_study_run_onednn/K0_s0_after.jsonl", 0.3)  # seed 0 has the recipe's: this one is not read
+    bench3 = log("bench_study_run_onednn/K0_s3_after.jsonl", 0.4)  # seed 3 has only the benchmark's
+    assert runner.k0_logs() == {0: recipe0, 3: bench3}
+    assert {s: real_model_ppo.grpo_run(s)["rows"][0]["eval/pass@1"] for s in (0, 3)} == {0: 0.2, 3: 0.4}
+    assert real_model_ppo.grpo_run(1) is None
+    assert {r.seed: r.rows[0]["eval/pass@1"] for r in early_warning_across.real_runs()} == {0: 0.2, 3: 0.4}
+    assert {s: rows[0]["eval/pass@1"] for s, rows in real_model_async_pays.logged_runs()["K0"].items()} == {0: 0.2, 3: 0.4}
 
 
 def test_each_staleness_arm_is_the_recipe_at_its_lag_with_only_what_its_name_says_changed(here):

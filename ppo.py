@@ -252,7 +252,7 @@ class ActorCritic(nn.Module):
         inputs = (prompt_ids, prompt_mask, completion_ids, completion_mask)
         logits, hidden = completion_logits(self.policy, *inputs, with_hidden=self.critic is None)
         if self.critic is not None:
-            _, hidden = completion_logits(self.critic, *inputs, with_hidden=True)
+            _, hidden = completion_logits(self.critic, *inputs, with_hidden=True, logits=False)  # no vocabulary logits
         return logits, self.value_head(hidden.float()).squeeze(-1)
 
 

@@ -19,7 +19,9 @@ f = S / (S + L) is the parameter (measured here: the table's "f measured"; large
 costs T_t (sync) or max(f, 1 - f) T_t + P (async). P = the policy's float32 bytes over the copy bandwidth measured on
 this machine (a lower bound for a push between devices; --push-s overrides it). Async at K reaches the target sooner
 iff steps_K / steps_0 < T / (max(f, 1 - f) T + P), i.e. iff its step efficiency exceeds max(f, 1 - f) (P small):
-with one device each, overlap at most halves a step (at f = 0.5), and a share far from 0.5 leaves little to hide.
+with one device each, overlap at most halves a step (at f = 0.5), and a share far from 0.5 leaves little to hide. An
+arm that trains each batch n times (K4_none_2iter: n = 2) has a learner phase of n L: its step costs S + n L = T_t
+synchronously and max(S, n L) + P overlapped, so it pays iff e > max(f, n (1 - f)), f still the share of a one-pass step.
 Writes repro/results/real_model_async_pays.{md,png}.
 """
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import tyro
+from real_model_staleness import ARMS as STALENESS_ARMS
 from runner import LOGS, evals, k0_logs, pyplot, read_log, save_table
 
 MECHANISM_ARMS = ("K4_none_noclip", "threaded")  # not a setting a user would pick (noclip) or not emulated (threaded)
@@ -92,15 +95,29 @@ def step_seconds(rows: list[dict]) -> list[float]:
     return [r[wait] + r["time/train_s"] for r in rows if "time/train_s" in r]
 
 
+def pays_for(e: float, passes: int = 1) -> tuple[float, float] | None:
+    """The sampling shares f at which a stale step worth e synchronous ones pays: e > max(f, n (1 - f)), i.e. the open
+    interval (1 - e / n, e); None where it is empty (e <= n / (n + 1))."""
+    return (1 - e / passes, e) if 1 - e / passes < e else None
+
+
 def share(rows: list[dict]) -> float:
     wait = "time/learner_wait_s" if any("time/learner_wait_s" in r for r in rows) else "time/rollout_s"
     trained = [r for r in rows if "time/train_s" in r]
     return sum(r[wait] for r in trained) / sum(r[wait] + r["time/train_s"] for r in trained)
 
 
-def seconds_to(rows: list[dict], step: float, f: float, K: int, push: float) -> float:
-    """Model seconds to reach a (fractional) step: sum of T_t (K = 0) or max(f, 1 - f) T_t + P (K >= 1)."""
-    per_step = [t if K == 0 else max(f, 1 - f) * t + push for t in step_seconds(rows)]
+def passes(arm: str) -> int:
+    """How many times the arm trains on each batch (async_grpo.py's --num-iterations; 1 where the arm leaves it)."""
+    flags = STALENESS_ARMS.get(arm, ("", []))[1]
+    return int(flags[flags.index("--num-iterations") + 1]) if "--num-iterations" in flags else 1
+
+
+def seconds_to(rows: list[dict], step: float, f: float, K: int, push: float, passes: int = 1) -> float:
+    """Model seconds to reach a (fractional) step: sum of T_t = S + n L (K = 0) or max(S, n L) + P (K >= 1), with
+    S : L = f : 1 - f, n the passes a batch (n = 1: max(f, 1 - f) T_t + P)."""
+    overlapped = max(f, passes * (1 - f)) / (f + passes * (1 - f))
+    per_step = [t if K == 0 else overlapped * t + push for t in step_seconds(rows)]
     whole = int(step)
     return sum(per_step[:whole]) + (step - whole) * (per_step[whole] if whole < len(per_step) else per_step[-1])
 
@@ -141,22 +158,26 @@ def main(args: Args) -> None:
             for s, r in seeds.items():
                 mine, theirs = reach[s], crossing(curve(k0[s]), args.target)
                 if mine is not None and theirs is not None:
-                    per_seed.append(seconds_to(r, mine, f, K, push) / seconds_to(k0[s], theirs, f, 0, push))
+                    per_seed.append(seconds_to(r, mine, f, K, push, passes(arm)) / seconds_to(k0[s], theirs, f, 0, push))
             ratios.append(f"{statistics.mean(per_seed):.2f}" + (f" ({len(per_seed)}/{len(seeds)})" if len(per_seed) < len(seeds) else "")
                           if per_seed else "never")
         steps = ", ".join(f"{x:.0f}" if x is not None else f"> {curve(seeds[s])[-1][0]}" for s, x in reach.items())
         lines.append(f"| {arm} | {', '.join(map(str, seeds))} | {', '.join(f'{p:.3f}' for _, p in finals.values())} | "
                      f"{', '.join(f'> {floors[s]:g}' if e == float('inf') else f'{e:.2f}' for s, e in eff.items())} | {steps} | "
                      f"{statistics.mean(share(r) for r in seeds.values()):.2f} | " + " | ".join(ratios) + " |")
-    rule = ["", "The rule (step efficiency e, mean over seeds; async at K >= 1 gains iff e > max(f, 1 - f) + P / T): "]
+    rule = ["", "The rule (step efficiency e, mean over seeds; async at K >= 1 gains iff e > max(f, n (1 - f)) + P / T, "
+                "n the passes a batch, 1 but where the arm's name says 2iter): "]
     for arm, (e, bound) in efficiency.items():
         if arm == "K0":
             continue
+        n = passes(arm)
+        shares, edge = pays_for(e, n), f"{n}/{n + 1}" if n > 1 else "0.5"
         at_least = " at least" if bound else ""  # a seed beyond K = 0's reach: its e is at least its floor
         rule.append(f"- {arm}: e{' >=' if bound else ' ='} {e:.2f}: " + (
-            f"pays{at_least} for sampling shares f in ({1 - e:.2f}, {e:.2f})" if e > 0.5 else
-            "pays at no sampling share (e <= 0.5: even a perfect overlap, at f = 0.5, halves a step only)" if not bound else
-            "no share can be named (a lower bound at or below 0.5)"))
+            f"pays{at_least} for sampling shares f in ({shares[0]:.2f}, {shares[1]:.2f})" if shares else
+            f"pays at no sampling share (e <= {edge}: even a perfect overlap, at f = {edge}, "
+            f"{'halves a step' if n == 1 else f'costs {edge} of a one-pass synchronous step'} only)" if not bound else
+            f"no share can be named (a lower bound at or below {edge})"))
     out = save_table("real_model_async_pays", "\n".join(lines + rule) + "\n")
     plt = pyplot()
     if plt is None:
@@ -168,11 +189,12 @@ def main(args: Args) -> None:
             continue
         if e == 0:  # ended below the base model: never reaches K = 0's accuracy, at any share
             continue
-        ax.plot(grid, [max(f, 1 - f) / e for f in grid], label=f"{arm} (e {'>=' if bound else '='} {e:.2f})")
+        n = passes(arm)
+        ax.plot(grid, [max(f, n * (1 - f)) / e for f in grid], label=f"{arm} (e {'>=' if bound else '='} {e:.2f})")
     ax.axhline(1, color="k", lw=0.8, ls="--")
     ax.axvspan(0.4, 0.6, color="0.9", label="measured here")
     ax.set(xlabel="sampling share of a synchronous step f", ylabel="time to K = 0's accuracy, relative (< 1: async pays)",
-           title="Async on two devices: max(f, 1 - f) / step efficiency")
+           title="Async on two devices: max(f, n (1 - f)) / step efficiency")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "real_model_async_pays.png", dpi=110)

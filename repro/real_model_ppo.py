@@ -13,7 +13,7 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
 - equal: 1 epoch x 1 minibatch, one optimiser step a batch as grpo.py's recipe takes: the critic apart from the
   number of steps.
 - equal_separate: as equal, with the value function a separate copy of the model (--critic separate): the value
-  loss's gradient kept out of the policy's body.
+  loss's gradient kept out of the policy's body (with --gradient-checkpointing, to fit two models' activations in 24 GB).
 - equal_lam1: as equal, with GAE's lam = 1 (Monte-Carlo returns: every token's advantage is R - V(s_t), the whole
   reward, as in grpo.py where every token gets its sequence's advantage): isolates the decay of the reward's credit
   along a long completion.
@@ -39,7 +39,9 @@ from runner import (LOGS, Job, collapsed, command as runner_command, evals, firs
 ARMS = {  # name: ppo.py flags on top of the recipe's
     "defaults": ["--ppo-epochs", "4", "--minibatches", "4"],
     "equal": ["--ppo-epochs", "1", "--minibatches", "1"],
-    "equal_separate": ["--ppo-epochs", "1", "--minibatches", "1", "--critic", "separate"],
+    # a second model's activations do not fit 24 GB beside the policy's (killed for memory at step 2, 2026-12-06):
+    # recomputed in the backward pass, the same gradients up to rounding, at about a third more compute
+    "equal_separate": ["--ppo-epochs", "1", "--minibatches", "1", "--critic", "separate", "--gradient-checkpointing"],
     # the mechanism of equal's collapse to "#### N" (repro/README.md): GAE's lam = 0.95 gives a token 100 tokens before
     # the reward 0.95^100 = 0.6 % of it, a 4-token answer all of it; lam = 1 gives every token R - V(s_t)
     "equal_lam1": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0"],

@@ -85,6 +85,25 @@ def test_explained_variance_of_a_perfect_and_a_constant_critic():
 PPO_SMALL = dict(prompts_per_step=32, num_generations=1, minibatches=2, ppo_epochs=2)
 
 
+def test_a_separate_critic_reads_its_values_off_its_last_hidden_state_without_its_output_layer():
+    """--critic separate: V(s_t) = value_head(the critic's last hidden state at s_t). The critic's vocabulary logits
+    (B x T x V, its forward's largest tensor) are not computed, and the values are what the critic's own forward gives."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2)
+    policy, critic = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    model = ppo.ActorCritic(policy, critic)
+    positions = []
+    critic.get_output_embeddings().register_forward_hook(lambda module, x, out: positions.append(out.shape[1]))
+    prompt_ids, completion_ids = torch.randint(0, 64, (4, 5)), torch.randint(0, 64, (4, 3))
+    logits, values = model(prompt_ids, torch.ones_like(prompt_ids), completion_ids, torch.ones_like(completion_ids))
+    assert logits.shape == (4, 3, 64) and sum(positions) == 0  # the policy's logits; none through the critic's head
+    hidden = critic(input_ids=torch.cat([prompt_ids, completion_ids], 1), output_hidden_states=True).hidden_states[-1]
+    torch.testing.assert_close(values, model.value_head(hidden[:, 4:7]).squeeze(-1))  # the states before y_1..y_3
+
+
 def test_ppo_smoke_run_with_a_value_head_logs_the_shared_and_ppo_metrics(tmp_path):
     ppo.main(small_args(ppo, tmp_path, steps=2, **PPO_SMALL))
     rows = read_metrics(tmp_path / "run")

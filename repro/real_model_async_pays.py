@@ -166,7 +166,7 @@ def main(args: Args) -> None:
                      f"{', '.join(f'> {floors[s]:g}' if e == float('inf') else f'{e:.2f}' for s, e in eff.items())} | {steps} | "
                      f"{statistics.mean(share(r) for r in seeds.values()):.2f} | " + " | ".join(ratios) + " |")
     rule = ["", "The rule (step efficiency e, mean over seeds; async at K >= 1 gains iff e > max(f, n (1 - f)) + P / T, "
-                "n the passes a batch, 1 but where the arm's name says 2iter): "]
+                "n the arm's passes a batch, --num-iterations): "]
     for arm, (e, bound) in efficiency.items():
         if arm == "K0":
             continue

@@ -107,7 +107,7 @@ def share(rows: list[dict]) -> float:
     return sum(r[wait] for r in trained) / sum(r[wait] + r["time/train_s"] for r in trained)
 
 
-def passes(arm: str) -> int:
+def passes_of(arm: str) -> int:
     """How many times the arm trains on each batch (async_grpo.py's --num-iterations; 1 where the arm leaves it)."""
     flags = STALENESS_ARMS.get(arm, ("", []))[1]
     return int(flags[flags.index("--num-iterations") + 1]) if "--num-iterations" in flags else 1
@@ -146,7 +146,7 @@ def main(args: Args) -> None:
     for arm, seeds in sorted(arms.items(), key=lambda kv: (int(kv[0][1]), kv[0])):
         if not seeds:
             continue
-        K = int(arm[1])
+        K, n = int(arm[1]), passes_of(arm)
         finals = {s: curve(r)[-1] for s, r in seeds.items()}
         eff = {s: step_efficiency(curve(k0[s]), final) for s, final in finals.items()}
         floors = {s: curve(k0[s])[-1][0] / finals[s][0] for s in eff}  # a seed beyond K = 0's reach: e > its floor
@@ -158,7 +158,7 @@ def main(args: Args) -> None:
             for s, r in seeds.items():
                 mine, theirs = reach[s], crossing(curve(k0[s]), args.target)
                 if mine is not None and theirs is not None:
-                    per_seed.append(seconds_to(r, mine, f, K, push, passes(arm)) / seconds_to(k0[s], theirs, f, 0, push))
+                    per_seed.append(seconds_to(r, mine, f, K, push, n) / seconds_to(k0[s], theirs, f, 0, push))
             ratios.append(f"{statistics.mean(per_seed):.2f}" + (f" ({len(per_seed)}/{len(seeds)})" if len(per_seed) < len(seeds) else "")
                           if per_seed else "never")
         steps = ", ".join(f"{x:.0f}" if x is not None else f"> {curve(seeds[s])[-1][0]}" for s, x in reach.items())
@@ -170,7 +170,7 @@ def main(args: Args) -> None:
     for arm, (e, bound) in efficiency.items():
         if arm == "K0":
             continue
-        n = passes(arm)
+        n = passes_of(arm)
         shares, edge = pays_for(e, n), f"{n}/{n + 1}" if n > 1 else "0.5"
         at_least = " at least" if bound else ""  # a seed beyond K = 0's reach: its e is at least its floor
         rule.append(f"- {arm}: e{' >=' if bound else ' ='} {e:.2f}: " + (
@@ -189,7 +189,7 @@ def main(args: Args) -> None:
             continue
         if e == 0:  # ended below the base model: never reaches K = 0's accuracy, at any share
             continue
-        n = passes(arm)
+        n = passes_of(arm)
         ax.plot(grid, [max(f, n * (1 - f)) / e for f in grid], label=f"{arm} (e {'>=' if bound else '='} {e:.2f})")
     ax.axhline(1, color="k", lw=0.8, ls="--")
     ax.axvspan(0.4, 0.6, color="0.9", label="measured here")

@@ -90,9 +90,10 @@ def k0_logs() -> dict[int, Path]:
     """{seed: its K = 0 run's kept log} for every seed that has one, the first of K0_LOGS that exists: the one run every
     real-model table compares a seed's other runs against."""
     found: dict[int, Path] = {}
-    for name in reversed(K0_LOGS):
-        for path in LOGS.glob(name.format(seed="*")):
-            found[int(path.stem.split("_s")[-1].split("_")[0])] = path
+    for name in K0_LOGS:
+        head, tail = name.split("{seed}")
+        for path in LOGS.glob(f"{head}*{tail}"):
+            found.setdefault(int(path.relative_to(LOGS).as_posix()[len(head):-len(tail)]), path)
     return dict(sorted(found.items()))
 
 

@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "repro"))
-from real_model_async_pays import crossing, mean_efficiency, passes, pays_for, seconds_to, share, step_efficiency  # noqa: E402
+from real_model_async_pays import crossing, mean_efficiency, passes_of, pays_for, seconds_to, share, step_efficiency  # noqa: E402
 
 
 def test_crossing_is_linear_between_evaluations():
@@ -35,7 +35,7 @@ def test_an_arm_that_trains_each_batch_n_times_costs_its_learner_n_passes():
     assert seconds_to(rows, 2.0, 0.5, 4, push=0.0, passes=2) == pytest.approx(2 * 8.0)  # max(4, 2 x 4)
     assert seconds_to(rows, 2.0, 0.5, 4, push=0.0) == pytest.approx(2 * 6.0)  # one pass: max(f, 1 - f) T
     assert seconds_to(rows, 2.0, 0.5, 0, push=0.0, passes=2) == pytest.approx(24.0)  # K = 0: sample, then train
-    assert passes("K4_none_2iter") == 2 and passes("K4_none") == 1 and passes("K0") == 1
+    assert passes_of("K4_none_2iter") == 2 and passes_of("K4_none") == 1 and passes_of("K0") == 1
 
 
 def test_async_pays_at_the_shares_where_both_phases_of_a_stale_step_are_shorter_than_what_it_is_worth():

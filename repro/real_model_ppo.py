@@ -18,6 +18,8 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
   reward, as in grpo.py where every token gets its sequence's advantage): isolates the decay of the reward's credit
   along a long completion.
 - defaults_lam1: the defaults with lam = 1: the 16 optimiser steps a batch apart from GAE's decay.
+- equal_lam1_lr16x: equal_lam1 at 16x the learning rate (1.6e-4): as far a batch as 16 steps, no sample reused.
+- minibatches4_lam1: 1 epoch x 4 minibatches at lam = 1: 4 optimiser steps a batch, each sample used once.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
 after the epochs, the value's explained variance, collapse, wall time and peak memory. Writes
@@ -48,6 +50,11 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     # the defaults collapse as well (held-out 0.100 -> 0.020, seed 0) with long answers kept: lam = 1 at 16 steps a
     # batch separates what the 16 optimiser steps do from what lam does
     "defaults_lam1": ["--ppo-epochs", "4", "--minibatches", "4", "--lam", "1.0"],
+    # which part of the 16 steps breaks defaults_lam1: one step of 16x the learning rate (Adam moves a weight by about lr
+    # a step whatever the gradient's size, so this goes about as far a batch, with no sample reused and no clip binding),
+    # and one epoch of 4 minibatches (4 steps, each sample used once)
+    "equal_lam1_lr16x": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0", "--lr", "1.6e-4"],
+    "minibatches4_lam1": ["--ppo-epochs", "1", "--minibatches", "4", "--lam", "1.0"],
 }
 
 

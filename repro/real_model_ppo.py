@@ -22,7 +22,7 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
 - minibatches4_lam1: 1 epoch x 4 minibatches at lam = 1: 4 optimiser steps a batch, each sample used once.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
-after the epochs, the value's explained variance, collapse, wall time and peak memory. Writes
+over the epochs' passes (the mean over every minibatch's forward), the value's explained variance, collapse, wall time and peak memory. Writes
 repro/results/<name>.{md,png}.
 """
 
@@ -116,7 +116,7 @@ def main(args: Args) -> None:
                  f"seed {seed} {run['log']}" for (arm, seed), run in runs.items() if arm == "grpo.py") + ".", "",
              "| arm | seed | held-out pass@1: base -> final | transfer pass@1: base -> final | greedy: base -> final | "
              f"steps to {args.target} | sampling, training s a step | ratio max (mean, max over steps) | clipped (%) | "
-             "approx KL after the epochs | value explained variance (median, last 10) | collapsed | wall time (s) | peak memory (MB) |",
+             "approx KL over the passes | value explained variance (median, last 10) | collapsed | wall time (s) | peak memory (MB) |",
              "|---" * 14 + "|"]
     for (arm, seed), run in runs.items():
         rows, e = run["rows"], evals(run["rows"])

@@ -20,6 +20,7 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
 - defaults_lam1: the defaults with lam = 1: the 16 optimiser steps a batch apart from GAE's decay.
 - equal_lam1_lr16x: equal_lam1 at 16x the learning rate (1.6e-4): as far a batch as 16 steps, no sample reused.
 - minibatches4_lam1: 1 epoch x 4 minibatches at lam = 1: 4 optimiser steps a batch, each sample used once.
+- epochs4_lam1: 4 epochs x 1 minibatch at lam = 1: 4 optimiser steps a batch, each sample used 4 times.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
 over the epochs' passes (the mean over every minibatch's forward), the value's explained variance, collapse, wall time and peak memory. Writes
@@ -55,6 +56,8 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     # and one epoch of 4 minibatches (4 steps, each sample used once)
     "equal_lam1_lr16x": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0", "--lr", "1.6e-4"],
     "minibatches4_lam1": ["--ppo-epochs", "1", "--minibatches", "4", "--lam", "1.0"],
+    # 4 steps with each sample used 4 times (whole-batch minibatches): against minibatches4_lam1, the reuse at 4 steps
+    "epochs4_lam1": ["--ppo-epochs", "4", "--minibatches", "1", "--lam", "1.0"],
 }
 
 

@@ -51,9 +51,9 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_nam
         assert {k: getattr(args, k) for k in shared} == {k: getattr(recipe, k) for k in shared}, arm
         assert args.lr == pytest.approx(recipe.lr * (16 if arm.endswith("lr16x") else 1)), arm
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
-        steps = 16 if arm.startswith("defaults") else 4 if arm.startswith("minibatches4") else 1
+        steps = 16 if arm.startswith("defaults") else 4 if arm.startswith(("minibatches4", "epochs4")) else 1
         assert args.ppo_epochs * args.minibatches == steps, arm
-        assert args.ppo_epochs == (4 if arm.startswith("defaults") else 1), arm  # only the defaults reuse a sample
+        assert args.ppo_epochs == (4 if arm.startswith(("defaults", "epochs4")) else 1), arm  # a sample's uses
         assert args.critic == ("separate" if arm.endswith("separate") else "head")
         assert args.gradient_checkpointing == arm.endswith("separate")  # two models' activations do not fit 24 GB
         assert args.lam == pytest.approx(1.0 if "lam1" in arm else 0.95) and args.gamma == pytest.approx(1.0)

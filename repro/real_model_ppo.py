@@ -56,8 +56,9 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     # and one epoch of 4 minibatches (4 steps, each sample used once)
     "equal_lam1_lr16x": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0", "--lr", "1.6e-4"],
     "minibatches4_lam1": ["--ppo-epochs", "1", "--minibatches", "4", "--lam", "1.0"],
-    # 4 steps with each sample used 4 times (whole-batch minibatches): against minibatches4_lam1, the reuse at 4 steps
-    "epochs4_lam1": ["--ppo-epochs", "4", "--minibatches", "1", "--lam", "1.0"],
+    # 4 steps with each sample used 4 times (whole-batch minibatches): against minibatches4_lam1, the reuse at 4 steps;
+    # activations recomputed (killed for memory at step 1 without, 2026-12-06: equal_lam1's 21-22 GB passes, 4 times)
+    "epochs4_lam1": ["--ppo-epochs", "4", "--minibatches", "1", "--lam", "1.0", "--gradient-checkpointing"],
 }
 
 

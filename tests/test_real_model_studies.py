@@ -55,7 +55,7 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_nam
         assert args.ppo_epochs * args.minibatches == steps, arm
         assert args.ppo_epochs == (4 if arm.startswith(("defaults", "epochs4")) else 1), arm  # a sample's uses
         assert args.critic == ("separate" if arm.endswith("separate") else "head")
-        assert args.gradient_checkpointing == arm.endswith("separate")  # two models' activations do not fit 24 GB
+        assert args.gradient_checkpointing == (arm.endswith("separate") or arm.startswith("epochs4"))  # 24 GB
         assert args.lam == pytest.approx(1.0 if "lam1" in arm else 0.95) and args.gamma == pytest.approx(1.0)
 
 

@@ -23,8 +23,8 @@ against the group mean) and how many optimiser steps a batch gets. Arms (ARMS be
 - epochs4_lam1: 4 epochs x 1 minibatch at lam = 1: 4 optimiser steps a batch, each sample used 4 times.
 Reported: held-out and transfer pass@1 at the first and last evaluation (± se over prompts), steps to --target,
 sampling and training seconds a step, the ratio's largest value and the clipped share, approx KL(pi_old, pi_theta)
-over the epochs' passes (the mean over every minibatch's forward), the value's explained variance, collapse, wall time and peak memory. Writes
-repro/results/<name>.{md,png}.
+over the epochs' passes (the mean over every minibatch's forward, each before its own step), the value's explained
+variance, collapse, wall time and peak memory. Writes repro/results/<name>.{md,png}.
 """
 
 from __future__ import annotations
@@ -51,13 +51,12 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     # the defaults collapse as well (held-out 0.100 -> 0.020, seed 0) with long answers kept: lam = 1 at 16 steps a
     # batch separates what the 16 optimiser steps do from what lam does
     "defaults_lam1": ["--ppo-epochs", "4", "--minibatches", "4", "--lam", "1.0"],
-    # which part of the 16 steps breaks defaults_lam1: one step of 16x the learning rate (Adam moves a weight by about lr
-    # a step whatever the gradient's size, so this goes about as far a batch, with no sample reused and no clip binding),
-    # and one epoch of 4 minibatches (4 steps, each sample used once)
+    # which part of the 16 steps breaks defaults_lam1. One step of 16x the lr: Adam moves a weight by about lr a step
+    # whatever the gradient's size, so this goes up to as far a batch as 16 steps, no sample reused, no clip binding
     "equal_lam1_lr16x": ["--ppo-epochs", "1", "--minibatches", "1", "--lam", "1.0", "--lr", "1.6e-4"],
+    # 4 steps a batch, each sample used once, against 4 steps with each used 4 times (the reuse at equal steps); the
+    # latter's whole batch of 32 a step did not fit 24 GB 4 times over (killed at step 1): activations recomputed
     "minibatches4_lam1": ["--ppo-epochs", "1", "--minibatches", "4", "--lam", "1.0"],
-    # 4 steps with each sample used 4 times (whole-batch minibatches): against minibatches4_lam1, the reuse at 4 steps;
-    # activations recomputed (killed for memory at step 1 without, 2026-12-06: equal_lam1's 21-22 GB passes, 4 times)
     "epochs4_lam1": ["--ppo-epochs", "4", "--minibatches", "1", "--lam", "1.0", "--gradient-checkpointing"],
 }
 

@@ -56,7 +56,7 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import check_chat, trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, micro_batches, rollout, runs_prompts_once, token_logprobs
+from common.rollout import evaluate, micro_batches, rollout, run_reach, runs_prompts_once, token_logprobs
 from common.tasks import load_task
 
 
@@ -372,7 +372,8 @@ def main(args: Args) -> None:
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
     check_chat(task, tokenizer)  # a multi-turn task on a chat template it cannot continue: refused here
-    policy = load_policy(model_path, checkpoint, args)  # dtype, LoRA adapters, gradient checkpointing
+    reach = run_reach(task, tokenizer, args.max_new_tokens)  # the longest sequence a run scores: checked that far
+    policy = load_policy(model_path, checkpoint, args, reach)  # dtype, LoRA adapters, gradient checkpointing
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
     ref = load_reference(model_path, args, policy).to(accelerator.device) if args.beta > 0 else None

@@ -52,7 +52,7 @@ from common.logging import MetricsWriter, device_memory, print_summary, progress
 from common.losses import kl_estimate, masked_whiten
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
-from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout, trimmed
+from common.rollout import completion_logits, evaluate, logprobs_from_logits, rollout, run_reach, trimmed
 from common.tasks import load_task
 
 
@@ -408,10 +408,11 @@ def main(args: Args) -> None:
 
     set_seed(args.seed)
     tokenizer = load_tokenizer(model_path, args.trust_remote_code)
-    policy = load_policy(model_path, checkpoint, args)  # dtype, LoRA adapters, gradient checkpointing
+    reach = run_reach(task, tokenizer, args.max_new_tokens)  # the longest sequence a run scores: checked that far
+    policy = load_policy(model_path, checkpoint, args, reach)  # dtype, LoRA adapters, gradient checkpointing
     if args.pure_dtype:
         print(pure_dtype_warning(policy, args.lr, args.dtype), file=sys.stderr)
-    critic = load_policy(model_path, None, args) if args.critic == "separate" else None
+    critic = load_policy(model_path, None, args, reach) if args.critic == "separate" else None
     model = ActorCritic(policy, critic)
     ref = load_reference(model_path, args, policy).to(accelerator.device) if args.kl_coef > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)

@@ -126,20 +126,30 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTra
     return tokenizer
 
 
+class InDtype:
+    """model's own forward under torch.autocast(dtype) on the device its weights are on: patched on the instance as
+    model.forward (autocast_forward). An object rather than a closure, so that a patched model pickles whole
+    (torch.save(model)); its signature is the model's forward's (callers look up which keywords forward takes)."""
+
+    def __init__(self, model, dtype: str):
+        self.model, self.dtype = model, dtype
+
+    @property
+    def __wrapped__(self):  # inspect.signature follows it
+        return MethodType(type(self.model).forward, self.model)
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(device_type=next(self.model.parameters()).device.type, dtype=DTYPES[self.dtype]):
+            return type(self.model).forward(self.model, *args, **kwargs)
+
+
 def autocast_forward(model, dtype: str):
     """Run every forward of `model` under torch.autocast(dtype) on the device its weights are on (a no-op
     for float32). Patched on the instance, as accelerate's mixed precision does, so that sampling,
     training, evaluation and DDP or adapter wrappers all go through it."""
     if dtype == "float32":
         return model
-    forward = type(model).forward
-
-    @functools.wraps(forward)  # keeps the signature visible: callers look up which keywords forward takes
-    def forward_in_dtype(self, *args, **kwargs):
-        with torch.autocast(device_type=next(self.parameters()).device.type, dtype=DTYPES[dtype]):
-            return forward(self, *args, **kwargs)
-
-    model.forward = MethodType(forward_in_dtype, model)
+    model.forward = InDtype(model, dtype)
     model.autocast_dtype = DTYPES[dtype]  # for the output layer applied apart from forward (common/rollout.py)
     return model
 
@@ -155,7 +165,9 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 class OneDNNLinear(torch.autograd.Function):
     """y = x W^T + b and its gradients, dL/dx = g W and dL/dW = g^T x (dL/db = sum of g), each one float32 GEMM by
-    oneDNN: the same arithmetic as torch.nn.functional.linear, summed in another order (equal up to rounding)."""
+    oneDNN: the same arithmetic as torch.nn.functional.linear, summed in another order (equal up to rounding). The
+    backward's products are this Function again, so that a second derivative (create_graph=True) goes through them
+    too, as through torch's linear."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):  # keeps x only if W needs a gradient (a frozen LoRA base), as torch's linear
@@ -164,15 +176,14 @@ class OneDNNLinear(torch.autograd.Function):
         return _onednn(x, weight, bias)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no second derivative (the oneDNN op has no autograd formula)
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:  # W^T as a transposed view: read in place (made contiguous first: 2-14x slower)
-            grad_x = _onednn(grad, weight.t())
+            grad_x = OneDNNLinear.apply(grad, weight.t(), None)
         if ctx.needs_input_grad[1]:
             g = grad.reshape(-1, grad.shape[-1])
-            grad_weight = _onednn(g.t(), x.reshape(-1, x.shape[-1]).t())
+            grad_weight = OneDNNLinear.apply(g.t(), x.reshape(-1, x.shape[-1]).t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, grad_weight, grad_bias
@@ -213,11 +224,11 @@ def onednn_linears(model, on: bool | None = None) -> int:
         on = (choice == "onednn" and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
               and platform.machine() in ("x86_64", "AMD64")
               and sum(p.numel() for p in model.parameters()) >= ONEDNN_MIN_PARAMETERS)
-    patched = lambda m: getattr(vars(m).get("forward"), "__func__", None) is _onednn_forward  # noqa: E731
+    patched = lambda m: getattr(vars(m).get("forward"), "func", None) is _onednn_forward  # noqa: E731
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear and ("forward" not in vars(m) or patched(m))]
     for layer in layers:  # a layer whose forward someone else patched (accelerate's offload hooks, say) is left alone
-        if on:
-            layer.forward = MethodType(_onednn_forward, layer)
+        if on:  # a partial, not a bound method: it pickles by the function's name (torch.save(model) loads back)
+            layer.forward = functools.partial(_onednn_forward, layer)
         else:
             layer.__dict__.pop("forward", None)
     return len(layers) if on else 0
@@ -279,11 +290,12 @@ def pure_dtype_warning(model, lr: float, dtype: str) -> str:
             f"--pure-dtype the weights and AdamW state stay float32 and every step counts.")
 
 
-def load_policy(model_path: str, checkpoint, args):
+def load_policy(model_path: str, checkpoint, args, reach: int | None = None):
     """The policy a script trains, from --model or from a checkpoint to resume, as the script's flags say:
     --dtype and --pure-dtype (above), --gradient-checkpointing (activations recomputed in the backward pass
     instead of kept), and --lora-r > 0: the weights frozen and low-rank adapters trained (peft),
-    W x + (alpha / r) B A x on --lora-target-modules. A LoRA checkpoint holds the adapters only."""
+    W x + (alpha / r) B A x on --lora-target-modules. A LoRA checkpoint holds the adapters only. reach: the longest
+    sequence the run scores or samples (common.rollout.run_reach), to which the load-time check goes."""
     is_adapter = checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file()
     model = load_model(str(model_path if is_adapter or checkpoint is None else checkpoint), args.dtype,
                        args.trust_remote_code, args.pure_dtype)
@@ -300,7 +312,7 @@ def load_policy(model_path: str, checkpoint, args):
             check_lora_targets(model, targets)
             model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                                                      target_modules=targets, task_type="CAUSAL_LM"))
-    check_forward(model, str(model_path))  # a model whose log-probs postrl would get wrong stops here, in one line
+    check_forward(model, str(model_path), reach)  # a model whose log-probs postrl would get wrong stops here, in one line
     # training mode (from_pretrained returns eval mode): transformers checkpoints activations only in training
     # mode, and --lora-dropout acts only there; sampling switches to eval mode and back (common/rollout.py)
     return model.train()

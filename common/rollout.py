@@ -311,23 +311,38 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 
 
 FORWARD_TOLERANCE = 1e-3  # float32: the paths agree to ~1e-6 on every family that works; a wrong one is off by > 1e-2
+CHECKED_LENGTH = 17  # the longest sequence of forward_mismatch's small batch (a 9-token prompt and 8 tokens after it)
+
+
+def check_lengths(reach: int | None) -> tuple[list[tuple[int, list[int]]], int]:
+    """forward_mismatch's batch: (prompt length, [its G = 2 completions' lengths]) for two prompts, and how many tokens
+    the sampler draws after them. Up to CHECKED_LENGTH tokens, two prompts of 5 and 9 tokens; for a run that reaches
+    further (reach: its longest prompt plus its completion budget), a 5-token prompt scored to the reach (the training
+    forward past every position a run scores, from a cached short prompt) and a prompt of reach - 8 tokens that the
+    sampler continues by 8 (its prefill and cached decoding at the reach), so that the cost stays one forward of the
+    reach, not reach decoding steps."""
+    if reach is None or reach <= CHECKED_LENGTH:
+        return [(5, [3, 8]), (9, [6, 4])], 8
+    return [(5, [reach - 5, 3]), (reach - 8, [8, 4])], 8
 
 
 @torch.no_grad()
-def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
+def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str, float]:
     """How far what postrl computes in place of the model's own forward lies from it, on a small random batch (two
-    prompts of 5 and 9 tokens, left-padded, two completions each of 3 to 8 tokens, right-padded): the largest
+    prompts, left-padded, two completions each, right-padded: check_lengths, up to the run's reach): the largest
     |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
     shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
     behaviour log-probs (prompts shared, the preallocated cache, ended rows leaving the batch), each against
-    log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32 where the weights are
-    float32 (bf16 autocast set aside)."""
+    log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32, bf16 autocast set
+    aside and bf16 or fp16 weights (--pure-dtype) cast to float32 for the check and back (exact both ways): what is
+    checked is the arithmetic postrl replaces, not the rounding of a 16-bit forward, which differs between the model's
+    own forward of a row alone and of the same row padded in a batch by more than a wrong path might."""
     inner = base_model(model)
     V = inner.get_input_embeddings().weight.shape[0] if hasattr(inner, "get_input_embeddings") else inner.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     device = next(inner.parameters()).device
-    lengths, G = [(5, [3, 8]), (9, [6, 4])], 2
-    P, T = 9, 8
+    lengths, steps = check_lengths(reach)
+    G, P, T = 2, max(p for p, _ in lengths), max(t for _, ts in lengths for t in ts)
     low, high = V // 4, max(V // 4 + 1, 3 * V // 4)  # ids from the middle of the vocabulary: no special token
     prompt_ids, completion_ids = torch.zeros(4, P, dtype=torch.long), torch.zeros(4, T, dtype=torch.long)
     prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
@@ -349,12 +364,12 @@ def forward_mismatch(model, seed: int = 0) -> dict[str, float]:
 
     was_training = model.training
     try:
-        with float32_forward(inner), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
+        with float32_forward(model), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
             train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
             model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
-            uniforms = torch.rand(4, T, generator=g).to(device)
+            uniforms = torch.rand(4, steps, generator=g).to(device)
             eos = list(range(low, low + max(1, (high - low) // 6)))  # a sixth of the ids: rows end, and leave the batch
-            sampled, behaviour = sample(model, batch[0], batch[1], T, 1.0, eos, 0, uniforms)
+            sampled, behaviour = sample(model, batch[0], batch[1], steps, 1.0, eos, 0, uniforms)
             ended = completion_mask(sampled, eos)[0]
             reference, reference_sampled = own(batch[2], batch[3]), own(sampled, ended)
     finally:
@@ -377,43 +392,94 @@ def no_dropout_modules(model):
             m.p = p
 
 
-def float32_weights(model) -> bool:
-    return all(p.dtype == torch.float32 for p in model.parameters())
-
-
 @contextmanager
 def float32_forward(model):
-    """The model's forward without the bf16 autocast common/models.py patches onto it, output layer included (its
-    autocast_dtype, which chunked_logprobs reads), where its weights are float32."""
-    aside = {}
-    if float32_weights(model):
-        aside = {k: model.__dict__.pop(k) for k in ("forward", "autocast_dtype") if k in model.__dict__}
+    """The model's forward in float32 for a while: the bf16 autocast common/models.py patches onto it set aside, output
+    layer included (its autocast_dtype, which chunked_logprobs reads), and 16-bit floating weights and buffers (pure
+    bf16 or fp16, --pure-dtype) cast to float32 in place, then back (bf16 -> float32 -> bf16 is exact: every bf16
+    value is a float32 value). The weights take twice their memory meanwhile."""
+    inner = base_model(model)
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.bfloat16, torch.float16)]
+    dtypes = [t.dtype for t in tensors]
+    for t in tensors:
+        t.data = t.data.float()
+    aside = {k: inner.__dict__.pop(k) for k in ("forward", "autocast_dtype") if k in inner.__dict__}
     try:
         yield
     finally:
-        model.__dict__.update(aside)
+        inner.__dict__.update(aside)
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
 
 
-def check_forward(model, name: str) -> None:
+def length_switch(model) -> tuple[str, int] | None:
+    """(rope type, n) where the model's rotary frequencies change once a sequence is longer than n tokens, else None.
+    transformers' dynamic_rope_update recomputes them from the longest position of each forward: dynamic NTK scaling
+    past max_position_embeddings (from each length anew), Phi-3's longrope from its short to its long factors past
+    original_max_position_embeddings. Then a prompt's keys, cached when the sequence was shorter, are rotated with other
+    frequencies than the model's own forward of the whole sequence uses: the training forward (a group's prompt run once)
+    and the sampler (a KV cache) score such a sequence otherwise than the model does. Linear, yarn and llama3 scaling
+    are fixed frequencies: no switch."""
+    limits = []
+    for module in base_model(model).modules():
+        types = getattr(module, "rope_type", None)
+        if not isinstance(types, (str, dict)) or not hasattr(module, "original_max_seq_len"):
+            continue
+        for layer_type, rope_type in (types.items() if isinstance(types, dict) else [(None, types)]):
+            if "dynamic" in rope_type:
+                limits.append((module.original_max_seq_len, rope_type))
+            elif rope_type == "longrope":
+                params = module.config.rope_parameters
+                params = params[layer_type] if layer_type is not None else params
+                limits.append((params.get("original_max_position_embeddings", module.original_max_seq_len), rope_type))
+    return (min(limits)[1], min(limits)[0]) if limits else None
+
+
+def run_reach(task, tokenizer, max_new_tokens: int) -> int:
+    """The longest sequence a run scores or samples: its longest prompt as the sampler encodes it (chat template
+    included; training, held-out and extra sets), plus its completion budget (max_new_tokens; for a multi-turn task the
+    larger of that and the trajectory's env.max_tokens after the prompt)."""
+    prompts = [p for data in (task.train, task.test, *task.extra_tests.values()) for p in data["prompt"]]
+    unique = list({p if isinstance(p, str) else repr(p): p for p in prompts}.values())
+    longest = max(int(encode_prompts(tokenizer, [p], "cpu")[1].sum()) for p in unique) if unique else 0
+    budget = max_new_tokens
+    if task.env is not None:
+        budget = max(budget, task.env(task.train[0]["answer"]).max_tokens)
+    return longest + budget
+
+
+def check_forward(model, name: str, reach: int | None = None) -> None:
     """Refuse, in one line, a model whose log-probs postrl would compute wrongly (forward_mismatch above the
-    tolerance), or that postrl's forward cannot run at all (an encoder-decoder, say): before any training step."""
+    tolerance), or that postrl's forward cannot run at all (an encoder-decoder, say): before any training step. With
+    reach (run_reach: the longest sequence the run can reach), checked up to that length too, and a model whose rotary
+    frequencies switch before it (length_switch) refused with the reason."""
     inner = base_model(model)
     config = getattr(inner, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(f"--model {name}: {type(inner).__name__} is an encoder-decoder model; postrl trains "
                           f"decoder-only causal language models")
+    switch = length_switch(model)
+    if switch is not None and reach is not None and reach > switch[1]:
+        raise ConfigError(f"--model {name}: its rotary frequencies change past {switch[1]} tokens (rope_type "
+                          f"{switch[0]}), so a cached prompt is scored otherwise than its own forward scores the whole "
+                          f"sequence, and this run reaches {reach} tokens (longest prompt + completion budget): lower "
+                          f"--max-new-tokens or shorten the prompts to stay within {switch[1]}")
     try:
         mismatch = forward_mismatch(model)
+        if reach is not None and reach > CHECKED_LENGTH:
+            at_reach = forward_mismatch(model, reach=reach)
+            mismatch = {k: max(v, w) if v == v and w == w else float("nan") for (k, v), w in  # NaN stays NaN
+                        zip(mismatch.items(), at_reach.values())}
     except (MemoryError, torch.OutOfMemoryError):  # the machine's limit, not the model's family
         raise
     except Exception as e:  # noqa: BLE001 -- any other failure here is a model family postrl cannot serve
         raise ConfigError(f"--model {name}: postrl cannot run this model ({type(model).__name__}): "
                           f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
-    tolerance = FORWARD_TOLERANCE if float32_weights(model) else 0.1  # pure bf16 weights: bf16 rounding
-    if not all(value <= tolerance for value in mismatch.values()):  # (NaN is not <= anything: refused)
+    if not all(value <= FORWARD_TOLERANCE for value in mismatch.values()):  # (NaN is not <= anything: refused)
         raise ConfigError(f"--model {name}: postrl's log-probs for this model ({type(model).__name__}) differ from its own "
                           f"forward's by up to {mismatch['train']:.2g} (training forward) and {mismatch['sampler']:.2g} "
-                          f"(sampler): not supported")
+                          f"(sampler){f' at sequences of up to {reach} tokens' if reach and reach > CHECKED_LENGTH else ''}"
+                          f": not supported")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -500,7 +566,8 @@ def model_digest(model, tokenizer) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update(repr((type(inner).__name__, inner.config.to_json_string(), str(getattr(inner, "autocast_dtype", None)),
                    backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
-                   sorted({m.forward.__name__ for m in inner.modules() if type(m) is torch.nn.Linear}),  # the kernel
+                   sorted({getattr(m.forward, "func", m.forward).__name__ for m in inner.modules()
+                           if type(m) is torch.nn.Linear}),  # the kernel
                    tokenizer.pad_token_id, getattr(tokenizer, "chat_template", None), torch.__version__,
                    transformers.__version__, np.__version__, SAMPLER_TEXT)).encode())
     return h.hexdigest()

@@ -214,3 +214,87 @@ def test_a_model_postrl_cannot_serve_is_refused_before_any_work(tmp_path, tokeni
     with pytest.raises(ConfigError, match=r"^--model .*bert: "):
         grpo.main(grpo.Args(model=str(tmp_path / "bert"), output_dir=str(tmp_path), run_name="run", steps=1))
     assert not (tmp_path / "run").exists()
+
+
+# Rotary scalings, each on a tiny Llama (Phi-3 for longrope) whose original context is 32 tokens: dynamic NTK and
+# longrope change their frequencies with the sequence's length past it, the others are fixed frequencies.
+LIMIT = 32
+ROPE = {"dynamic": ("llama", {"rope_type": "dynamic", "factor": 4.0}),
+        "longrope": ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                              "original_max_position_embeddings": LIMIT}),
+        "linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+        "yarn": ("llama", {"rope_type": "yarn", "factor": 4.0}),
+        "llama3": ("llama", {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})}
+
+
+def rope_model(rope_type: str):
+    """A 2-layer random model of the family with its rotary embedding scaled as `rope_type` says (head_dim 16), its
+    weights drawn with std 0.2 so that attention depends on the rotation (at transformers' 0.02 it is near uniform)."""
+    model_type, params = ROPE[rope_type]
+    sizes = {k: SIZES[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "intermediate_size", "vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")}
+    context = {"max_position_embeddings": LIMIT} if rope_type in ("dynamic", "linear") else \
+        {"max_position_embeddings": 4 * LIMIT, "original_max_position_embeddings": LIMIT}
+    config = AutoConfig.for_model(model_type, **sizes, **context, num_hidden_layers=2, initializer_range=0.2,
+                                  rope_parameters={"rope_theta": 10000.0, **params})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    disable_dropout(model)
+    return model
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_model_whose_rotary_frequencies_switch_is_refused_for_a_run_that_can_pass_the_switch(rope_type):
+    """24 prompt + 30 completion tokens (the issue's case): past the 32-token switch a cached prompt's keys are rotated
+    otherwise than the model's own uncached forward rotates them, in the training forward and the sampler alike."""
+    from common.rollout import forward_mismatch, length_switch
+
+    model = rope_model(rope_type)
+    assert length_switch(model)[1] == LIMIT
+    assert forward_mismatch(model)["train"] < 1e-4  # the short check alone passes it ...
+    assert forward_mismatch(model, reach=54)["train"] > 1e-2  # ... and past the switch its numbers are wrong
+    with pytest.raises(ConfigError, match=rf"^--model m: its rotary frequencies change past {LIMIT} tokens \(rope_type "
+                                          rf"{rope_type}\).* reaches 54 tokens"):
+        check_forward(model, "m", reach=54)
+    check_forward(model, "m", reach=LIMIT)  # a run within the switch is served ...
+    assert max(forward_mismatch(model, reach=LIMIT).values()) < 1e-4  # ... and scored as its own forward, to the limit
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "yarn", "llama3"])
+def test_fixed_rotary_scalings_are_served_and_scored_as_their_own_forward_past_the_original_context(rope_type):
+    from common.rollout import forward_mismatch, length_switch
+
+    model = rope_model(rope_type)
+    assert length_switch(model) is None
+    check_forward(model, "m", reach=3 * LIMIT)
+    for reach in (LIMIT + 1, 3 * LIMIT):  # training forward from a 5-token prompt, sampler from a prompt at the reach
+        assert max(forward_mismatch(model, reach=reach).values()) < 1e-4
+
+
+def test_the_check_covers_the_runs_reach_and_refuses_a_family_wrong_only_past_the_short_check(monkeypatch):
+    """A model scored right on short sequences and wrong past 20 tokens: refused for a run that reaches them."""
+    import common.rollout
+
+    model = tiny_model("llama")
+    real = common.rollout.token_logprobs
+
+    def wrong_past_20(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
+        logps, entropy = real(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+        positions = prompt_mask.sum(-1, keepdim=True) + torch.arange(logps.shape[1])
+        return torch.where(positions > 20, logps + 0.1, logps), entropy
+
+    monkeypatch.setattr(common.rollout, "token_logprobs", wrong_past_20)
+    check_forward(model, "llama", reach=20)
+    with pytest.raises(ConfigError, match=r"\(training forward\) .* at sequences of up to 40 tokens: not supported$"):
+        check_forward(model, "llama", reach=40)
+
+
+def test_a_run_reaches_its_longest_prompt_as_the_sampler_encodes_it_plus_its_budget(tokenizer):
+    from common.rollout import run_reach
+    from common.tasks import load_task
+
+    task = load_task("reverse")  # prompts of 4-6 characters, one token each
+    longest = max(len(p) for data in (task.train, task.test) for p in data["prompt"])
+    assert run_reach(task, tokenizer, 8) == longest + 8
+    chain = load_task("chain-3")  # multi-turn: the trajectory's budget after the prompt
+    assert run_reach(chain, tokenizer, 8) == max(len(p) for p in [*chain.train["prompt"], *chain.test["prompt"]]) + 124

@@ -92,6 +92,53 @@ def test_a_linear_layer_through_onednn_leaves_what_it_does_not_compute_to_torch(
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-6)
 
 
+@ONEDNN
+def test_a_second_derivative_through_onednn_is_torchs():
+    """d/dW of |dL/dx|^2 with L = |x W^T + b|^2 (a gradient penalty's shape): create_graph=True records the backward's
+    products, which are oneDNN's too, and the result is torch's own linear's up to float32 rounding."""
+    from common.models import onednn_linears
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(24, 16), torch.randn(5, 24, requires_grad=True)
+
+    def second_derivative():
+        layer.zero_grad()
+        (dx,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+        (dx ** 2).sum().backward()
+        return layer.weight.grad.clone()
+
+    onednn_linears(layer, on=False)
+    want = second_derivative()
+    onednn_linears(layer, on=True)
+    torch.testing.assert_close(second_derivative(), want, rtol=1e-4, atol=1e-4)
+    assert want.abs().max() > 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_loaded_model_pickles_whole_and_loads_back_computing_the_same(dtype, tmp_path, monkeypatch):
+    """torch.save(model) of a model as load_model sets it up (its linear layers' forward through oneDNN, the bf16
+    autocast on its forward), torch.load back: the same logits, through the same kernels."""
+    from common.models import autocast_forward, onednn_linears
+
+    from transformers import LlamaForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    onednn_linears(model, on=torch.backends.mkldnn.is_available())
+    autocast_forward(model, dtype)
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    calls = count_onednn(monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-6, atol=1e-6)
+    assert (len(calls) > 0) == (dtype == "float32" and torch.backends.mkldnn.is_available())  # bf16: autocast's products
+    assert getattr(loaded, "autocast_dtype", None) == (torch.bfloat16 if dtype == "bfloat16" else None)
+
+
 def linear_ops(model) -> set[str]:
     from torch.profiler import profile
 

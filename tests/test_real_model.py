@@ -225,3 +225,56 @@ def test_smollm2s_products_run_through_onednn_and_agree_with_its_own_forward(smo
     assert (fast_grad - own_grad).norm() < 1e-3 * own_grad.norm()
     monkeypatch.setenv("POSTRL_CPU_MATMUL", "torch")
     assert onednn_linears(load_model(smollm2)) == 0
+
+
+# ---------------------------------------------------------------- pure bf16 (--pure-dtype): checked in float32
+def test_pure_bf16_smollm2_passes_the_load_time_check_and_trains_a_step_with_and_without_lora(tmp_path, smollm2, problems):
+    """--dtype bfloat16 --pure-dtype: the weights themselves bf16. The check compares postrl's paths with the model's own
+    forward in float32 on the same weights (bf16 -> float32 -> bf16 is exact), where bf16's own noise (a row alone
+    against the same row padded in a batch: 0.3-0.6 in log-prob on SmolLM2) would swamp a fixed tolerance."""
+    train, test, _ = map(str, problems)
+    for lora in (0, 4):
+        grpo.main(small_args(grpo, tmp_path / f"lora{lora}", model=SMOLLM2, task="gsm8k", data_path=train,
+                             eval_data_path=test, steps=1, prompts_per_step=2, num_generations=2, max_new_tokens=8,
+                             eval_prompts=2, eval_samples=2, eval_k=1, eval_every=0, lr=1e-5, beta=0.0, dtype="bfloat16",
+                             pure_dtype=True, lora_r=lora))
+        rows = read_metrics(tmp_path / f"lora{lora}" / "run")
+        assert [r["step"] for r in rows] == [0, 1] and rows[1]["completions/mean_length"] > 0
+
+
+def test_the_check_still_refuses_a_pure_bf16_model_that_postrl_would_score_wrongly(smollm2, monkeypatch):
+    """SmolLM2 in pure bf16 is served; with postrl's output layer 1.25x the model's own (a wrong logit scale) it is
+    refused, and its weights are bf16 again after the check."""
+    import common.rollout
+    from common.rollout import check_forward
+
+    model = load_model(smollm2, "bfloat16", pure=True)
+    check_forward(model, SMOLLM2)
+    head = model.get_output_embeddings()
+    wrong = torch.nn.Linear(head.in_features, head.out_features, bias=False, dtype=torch.bfloat16)
+    wrong.weight = torch.nn.Parameter(head.weight * 1.25)
+    monkeypatch.setattr(common.rollout, "output_layer", lambda m: (wrong, torch.bfloat16))
+    with pytest.raises(ConfigError, match=r"^--model smollm2-135m-instruct: postrl's log-probs .* differ from its own "
+                                          r"forward's by up to \S+ \(training forward\)"):
+        check_forward(model, SMOLLM2)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_run_on_smollm2_is_checked_up_to_its_reach(tmp_path, smollm2, problems, monkeypatch):
+    """grpo.py passes the run's reach (its longest chat-templated prompt + --max-new-tokens) to the load-time check."""
+    import common.models
+
+    reaches = []
+    real = common.models.check_forward
+    monkeypatch.setattr(common.models, "check_forward", lambda model, name, reach=None: (reaches.append(reach),
+                                                                                        real(model, name, reach))[1])
+    train, test, _ = map(str, problems)
+    task, tokenizer = load_task("gsm8k", train, test), load_tokenizer(smollm2)
+    chat = lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,  # noqa: E731
+                                                   add_generation_prompt=True)
+    longest = max(len(tokenizer(chat(p), add_special_tokens=False)["input_ids"])
+                  for p in [*task.train["prompt"], *task.test["prompt"]])
+    grpo.main(small_args(grpo, tmp_path, model=SMOLLM2, task="gsm8k", data_path=train, eval_data_path=test, steps=1,
+                         prompts_per_step=1, num_generations=2, max_new_tokens=40, eval_prompts=1, eval_samples=1,
+                         eval_k=1, eval_every=0, beta=0.0))
+    assert reaches == [longest + 40]

@@ -3,7 +3,8 @@
     python repro/ppo_vs_grpo.py             # 6 runs one after another: ~20 minutes on 2 CPU cores
 
 Both sample 256 completions per step (GRPO: 32 prompts x 8; PPO: 256 prompts x 1), each with its
-default flags (GRPO 200 steps of one optimiser step; PPO 100 steps of 4 epochs x 4 minibatches),
+default flags (GRPO 200 steps of one optimiser step; PPO 100 steps of 4 epochs x 4 minibatches: ppo.py's
+defaults when this table was measured, before 2026-12-06, pinned here),
 3 seeds each, one run at a time so that wall times and peak memory are the process's own.
 Reports pass@1 against completions sampled and against wall time, peak resident memory of the
 training process, and the parameters each method trains and holds. Writes
@@ -20,7 +21,7 @@ from runner import Job, evals, first_step_reaching, mean_over_steps, mean_sd, py
 
 ARMS = {
     "GRPO": ("grpo.py", []),
-    "PPO (value head)": ("ppo.py", []),
+    "PPO (value head)": ("ppo.py", ["--steps", "100", "--ppo-epochs", "4"]),
 }
 
 

@@ -314,23 +314,39 @@ FORWARD_TOLERANCE = 1e-3  # float32: the paths agree to ~1e-6 on every family th
 CHECKED_LENGTH = 17  # the longest sequence of forward_mismatch's small batch (a 9-token prompt and 8 tokens after it)
 
 
-def check_lengths(reach: int | None) -> tuple[list[tuple[int, list[int]]], int]:
-    """forward_mismatch's batch: (prompt length, [its G = 2 completions' lengths]) for two prompts, and how many tokens
-    the sampler draws after them. Up to CHECKED_LENGTH tokens, two prompts of 5 and 9 tokens; for a run that reaches
-    further (reach: its longest prompt plus its completion budget), a 5-token prompt scored to the reach (the training
-    forward past every position a run scores, from a cached short prompt) and a prompt of reach - 8 tokens that the
-    sampler continues by 8 (its prefill and cached decoding at the reach), so that the cost stays one forward of the
-    reach, not reach decoding steps."""
+def check_lengths(reach: int | None) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]] | None]:
+    """forward_mismatch's batches: (prompt length, [its completions' lengths]) for the training forward, and for the
+    sampler (None: the same batch's prompts), which draws 8 tokens after its prompts. Up to CHECKED_LENGTH tokens,
+    one batch of two prompts of 5 and 9 tokens, two completions each. For a run that reaches further (reach: its longest
+    prompt plus its completion budget), a 5-token prompt scored to the reach (the training forward past every position
+    a run scores, from a cached short prompt: where a model's positions change its arithmetic, a cached prompt and the
+    model's own uncached forward part there), and a prompt of reach - 8 tokens that the sampler continues by 8 (its
+    prefill and cached decoding at the reach): about six forwards of the reach, not reach decoding steps."""
     if reach is None or reach <= CHECKED_LENGTH:
-        return [(5, [3, 8]), (9, [6, 4])], 8
-    return [(5, [reach - 5, 3]), (reach - 8, [8, 4])], 8
+        return [(5, [3, 8]), (9, [6, 4])], None
+    return [(5, [reach - 5, 3])], [(reach - 8, [1, 1])]
+
+
+def random_batch(lengths: list[tuple[int, list[int]]], g: torch.Generator, low: int, high: int, device) -> list:
+    """Prompts (left-padded) and completions (right-padded) of random ids in [low, high): [ids, mask, ids, mask]."""
+    rows, P, T = sum(len(ts) for _, ts in lengths), max(p for p, _ in lengths), max(t for _, ts in lengths for t in ts)
+    prompt_ids, completion_ids = torch.zeros(rows, P, dtype=torch.long), torch.zeros(rows, T, dtype=torch.long)
+    prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
+    b = 0
+    for p, ts in lengths:
+        prompt = torch.randint(low, high, (p,), generator=g)
+        for t in ts:
+            prompt_ids[b, P - p :], prompt_mask[b, P - p :] = prompt, 1
+            completion_ids[b, :t], mask[b, :t] = torch.randint(low, high, (t,), generator=g), 1
+            b += 1
+    return [x.to(device) for x in (prompt_ids, prompt_mask, completion_ids, mask)]
 
 
 @torch.no_grad()
 def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str, float]:
-    """How far what postrl computes in place of the model's own forward lies from it, on a small random batch (two
-    prompts, left-padded, two completions each, right-padded: check_lengths, up to the run's reach): the largest
-    |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
+    """How far what postrl computes in place of the model's own forward lies from it, on small random batches (prompts
+    left-padded, completions right-padded, a prompt's completions sharing it: check_lengths, up to the run's reach): the
+    largest |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
     shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
     behaviour log-probs (prompts shared, the preallocated cache, ended rows leaving the batch), each against
     log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32, bf16 autocast set
@@ -341,23 +357,16 @@ def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str
     V = inner.get_input_embeddings().weight.shape[0] if hasattr(inner, "get_input_embeddings") else inner.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     device = next(inner.parameters()).device
-    lengths, steps = check_lengths(reach)
-    G, P, T = 2, max(p for p, _ in lengths), max(t for _, ts in lengths for t in ts)
     low, high = V // 4, max(V // 4 + 1, 3 * V // 4)  # ids from the middle of the vocabulary: no special token
-    prompt_ids, completion_ids = torch.zeros(4, P, dtype=torch.long), torch.zeros(4, T, dtype=torch.long)
-    prompt_mask, mask = torch.zeros_like(prompt_ids), torch.zeros_like(completion_ids)
-    for i, (p, ts) in enumerate(lengths):
-        prompt = torch.randint(low, high, (p,), generator=g)
-        for j, t in enumerate(ts):
-            b = i * G + j
-            prompt_ids[b, P - p :], prompt_mask[b, P - p :] = prompt, 1
-            completion_ids[b, :t], mask[b, :t] = torch.randint(low, high, (t,), generator=g), 1
-    batch = [x.to(device) for x in (prompt_ids, prompt_mask, completion_ids, mask)]
+    train_lengths, sampler_lengths = check_lengths(reach)
+    batch = random_batch(train_lengths, g, low, high, device)
+    prompts = batch[:2] if sampler_lengths is None else random_batch(sampler_lengths, g, low, high, device)[:2]
+    steps = 8
 
-    def own(completions, completion_mask):  # row by row, no padding, no cache
+    def own(prompt_ids, prompt_mask, completions, completion_mask):  # row by row, no padding, no cache
         out = torch.zeros(completions.shape, device=device)
         for b in range(len(completions)):
-            x, y = batch[0][b][batch[1][b].bool()], completions[b][completion_mask[b].bool()]
+            x, y = prompt_ids[b][prompt_mask[b].bool()], completions[b][completion_mask[b].bool()]
             logits = model(input_ids=torch.cat([x, y])[None], use_cache=False).logits[0, len(x) - 1 : -1].float()
             out[b, : len(y)] = torch.log_softmax(logits, -1).gather(-1, y[:, None])[:, 0]
         return out
@@ -367,11 +376,11 @@ def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str
         with float32_forward(model), no_dropout_modules(model):  # LoRA's --lora-dropout: the user's noise, not a mismatch
             train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
             model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
-            uniforms = torch.rand(4, steps, generator=g).to(device)
+            uniforms = torch.rand(len(prompts[0]), steps, generator=g).to(device)
             eos = list(range(low, low + max(1, (high - low) // 6)))  # a sixth of the ids: rows end, and leave the batch
-            sampled, behaviour = sample(model, batch[0], batch[1], steps, 1.0, eos, 0, uniforms)
+            sampled, behaviour = sample(model, *prompts, steps, 1.0, eos, 0, uniforms)
             ended = completion_mask(sampled, eos)[0]
-            reference, reference_sampled = own(batch[2], batch[3]), own(sampled, ended)
+            reference, reference_sampled = own(*batch), own(*prompts, sampled, ended)
     finally:
         model.train(was_training)
     m = batch[3].bool()

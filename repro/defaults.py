@@ -16,12 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import re
-import subprocess
 
 import torch
 import transformers
 import tyro
-from runner import ROOT, Job, evals, run_jobs, save_table
+from runner import ROOT, Job, cpu_model, evals, git, run_jobs, save_table
 
 SCRIPTS = ["grpo.py", "ppo.py", "gapo.py", "is_grpo.py", "async_grpo.py"]
 
@@ -33,22 +32,10 @@ class Args:
     output_dir: str = "runs/repro_defaults"
 
 
-def cpu_name() -> str:
-    """The CPU's model name and the vector instructions torch's kernels pick from (they decide the rounding)."""
-    info = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
-
-
 def cpu_kind(name: str) -> str:
     """'intel_xeon', 'amd_epyc', ...: the file name part of a CPU's table (the first two words of its model name)."""
     words = re.sub(r"\(.*?\)|[^A-Za-z0-9 ]", " ", name).lower().split()
     return "_".join(words[:2]) or "unknown"
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def spread(values: list[float], digits: int = 3) -> str:
@@ -62,7 +49,7 @@ def main(args: Args) -> None:
     jobs = {script: [Job(f"{script.removesuffix('.py')}_s{seed}", script, ["--seed", str(seed)]) for seed in args.seeds]
             for script in args.scripts}
     runs = run_jobs([job for per_seed in jobs.values() for job in per_seed], args.output_dir, workers=1)
-    name, rows = f"defaults_{cpu_kind(cpu_name())}", {}
+    name, rows = f"defaults_{cpu_kind(cpu_model())}", {}
     table = ROOT / "repro" / "results" / f"{name}.md"
     if table.exists():  # the scripts not rerun keep their rows
         rows = {line.split("|")[1].strip(): line for line in table.read_text().splitlines() if line.startswith("| `python")}
@@ -73,8 +60,8 @@ def main(args: Args) -> None:
             f"| `python {script}` | {spread([r['eval/pass@1'] for r in first])} | "
             f"{spread([r['eval/pass@1'] for r in last])} | {spread([r['eval/pass@k'] for r in last])} | "
             f"{spread([r['eval/greedy'] for r in last])} | {spread([runs[job.name]['wall_s'] for job in per_seed], 0)} s | "
-            f"{spread([runs[job.name]['peak_rss_mb'] for job in per_seed], 0)} MB | {commit()} |")
-    lines = [f"CPU: {cpu_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"{spread([runs[job.name]['peak_rss_mb'] for job in per_seed], 0)} MB | {git('rev-parse', '--short', 'HEAD')} |")
+    lines = [f"CPU: {cpu_model()}, torch {torch.__version__}, transformers {transformers.__version__}, "
              f"{torch.get_num_threads()} threads; seeds {', '.join(map(str, args.seeds))}: mean (min-max)",
              "", "| command | base pass@1 | final pass@1 | final pass@8 | final greedy | wall time | peak memory | commit |",
              "|---|---|---|---|---|---|---|---|"]

@@ -58,7 +58,8 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
                                         env={**os.environ, "OMP_NUM_THREADS": threads})
                 _, status, usage = os.wait4(proc.pid, 0)  # the child's own resource usage, peak memory included
             wall = time.time() - t0 + before.get("wall_s", 0.0)  # all the pieces
-            piece = {**before, "wall_s": wall, "peak_rss_mb": max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0))}
+            piece = {**before, "wall_s": wall, "peak_rss_mb": max(usage.ru_maxrss / 1024, before.get("peak_rss_mb", 0.0)),
+                     **provenance(before)}
             code = os.waitstatus_to_exitcode(status)  # wait4's status is encoded (exit 130 reads 33280)
             if code == STOPPED:
                 stopped.write_text(json.dumps(piece) + "\n")
@@ -79,6 +80,33 @@ def run_jobs(jobs: list[Job], output_dir: str, workers: int = 1, start: bool = T
 
 
 LOGS = ROOT / "repro" / "results" / "logs"
+CODE = ("*.py", "common", "pyproject.toml")  # what a run's numbers are a function of, besides its flags and the machine
+
+
+def git(*words: str) -> str:
+    out = subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def cpu_model() -> str:
+    """The CPU's model name, and the vector instructions torch's kernels pick from (they decide the rounding)."""
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def provenance(before: dict) -> dict:
+    """What a run ran on, for its done.json and kept log: the commit checked out, the last commit that changed its code
+    (CODE; '+dirty' where those files had uncommitted changes) and the CPU. A run resumed on other code or another CPU
+    lists each piece's, joined by ' + '."""
+    code = git("log", "-1", "--format=%h", "--", *CODE) + ("+dirty" if git("status", "--porcelain", "--", *CODE) else "")
+    now = {"commit": git("rev-parse", "--short", "HEAD"), "code": code, "cpu": cpu_model()}
+    for key, value in now.items():
+        if before.get(key) and value not in before[key].split(" + "):
+            now[key] = f"{before[key]} + {value}"
+    return now
 
 
 # a seed's K = 0 run, grpo.py on the recipe: the recipe study's kept log, else benchmarks/study_run.py's `after` arm (the

@@ -35,6 +35,12 @@ A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = 
     cispo      sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi_theta: the weight capped, no token's
                gradient dropped, summed over all tokens / their count whatever --loss-agg says (CISPO, MiniMax-M1,
                arXiv:2506.13585: its 1 / sum_i |o_i|; --cispo-eps-low/-high)
+    seq-tis    min(W, C) * min(u A, clip(u) A), W = exp(sum_t log w_t) the sequence's weight (a product over its
+               tokens, not their geometric mean), C = --seq-cap (verl's seq_is; TRL's sequence truncate)
+    seq-mis    min(u A, clip(u) A), unweighted, a whole sequence dropped where W > C (verl's seq_mis; TRL's mask)
+    vcpo       min(W, C') * u A, no clip, with A from the off-policy optimal baseline and the step's learning rate
+               scaled by sqrt(ESS / B) of the sequence weights (VCPO, Huang et al. 2026, arXiv:2602.17616:
+               vcpo_advantages; C' = --vcpo-cap, 8 as its public recipe)
 
 minus beta * KL_k3(pi_theta || pi_ref), aggregated by --loss-agg over all completion tokens: a token
 that m2po masks, or decoupled, icepop, seq-mask or opsm drops, contributes 0 and still counts in the denominator (the
@@ -77,7 +83,8 @@ from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimat
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import check_chat, trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
-from common.rollout import evaluate, micro_batches, rollout, rollout_to, run_reach, runs_prompts_once, token_logprobs
+from common.rollout import (evaluate, micro_batches, rollout, rollout_to, run_reach, runs_prompts_once, token_logprobs,
+                            trimmed)
 from common.sampling import Rollout
 from common.tasks import load_task
 
@@ -180,7 +187,8 @@ class Args:
     learner_threads: int | None = None
     """intra-op CPU threads of the learner (default: torch's, all cores)"""
     # ---------------------------------------------------------------- algorithm
-    correction: Literal["none", "tis", "decoupled", "m2po", "icepop", "seq-mask", "opsm", "cispo"] = "tis"
+    correction: Literal["none", "tis", "decoupled", "m2po", "icepop", "seq-mask", "opsm", "cispo", "seq-tis", "seq-mis",
+                        "vcpo"] = "tis"
     """off-policy correction for stale batches (see the docstring)"""
     tis_cap: float = 2.0
     """C of tis: the behaviour weight pi_old / mu is truncated at C"""
@@ -202,6 +210,11 @@ class Args:
     cispo_eps_high: float = 0.28
     """eps_high_is of cispo: the weight is capped at 1 + eps_high_is (the paper tunes it and gives no value; 0.28 as
     public reproductions)"""
+    seq_cap: float = 2.0
+    """C of seq-tis and seq-mis: the sequence weight W = exp(sum_t log pi_old / mu) is truncated at C, or the sequence
+    dropped where W > C (verl's rollout-correction default, 2)"""
+    vcpo_cap: float = 8.0
+    """vcpo: the sequence weight W truncated at this in the loss (8 in the paper's public recipe)"""
     lr: float = 5e-4
     """AdamW learning rate (5e-4 suits the embedded tiny model; ~1e-6 suits a 0.5B model)"""
     num_iterations: int = 1
@@ -276,6 +289,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(0 <= args.icepop_low <= 1 <= args.icepop_high, f"--icepop-low and --icepop-high must satisfy 0 <= low <= 1 <= "
                                                          f"high (got {args.icepop_low}, {args.icepop_high})")
     check(args.seq_mask_cap > 1, f"--seq-mask-cap must be > 1 (got {args.seq_mask_cap})")
+    check(args.seq_cap > 0 and args.vcpo_cap > 0, f"--seq-cap and --vcpo-cap must be > 0 (got {args.seq_cap}, {args.vcpo_cap})")
     check(args.opsm_delta >= 0, f"--opsm-delta must be >= 0 (got {args.opsm_delta})")
     check(0 <= args.cispo_eps_low <= 1 and args.cispo_eps_high > 0, f"--cispo-eps-low must be in [0, 1] and --cispo-eps-high"
                                                                      f" > 0 (got {args.cispo_eps_low}, {args.cispo_eps_high})")
@@ -308,9 +322,9 @@ def check_args(args: Args, num_processes: int) -> None:
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
-    saved = json.loads((run_dir / "args.json").read_text())
+    saved, default = json.loads((run_dir / "args.json").read_text()), asdict(Args())  # a flag added since: its default
     for key, value in asdict(args).items():
-        check(key in RESUMABLE or saved.get(key) == value,
+        check(key in RESUMABLE or saved.get(key, default[key]) == value,
               f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
 
 
@@ -516,6 +530,7 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     the clip and ratio statistics per model turn too."""
     A = advantages[:, None]
     w = torch.exp(old_logps - behav_logps)  # behaviour weight pi_old / mu (no gradient: both are fixed)
+    log_W = ((old_logps - behav_logps) * mask).sum(-1, keepdim=True)  # log W_i = sum_t log w_it, a sequence's weight
     if args.correction in ("none", "m2po", "opsm", "cispo"):
         ratio = torch.exp(logps - behav_logps)  # r = pi_theta / mu
     else:
@@ -527,6 +542,9 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     elif args.correction == "cispo":  # sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi_theta
         weight = torch.clamp(ratio.detach(), 1 - args.cispo_eps_low, 1 + args.cispo_eps_high)
         surrogate, capped = weight * A * logps, weight != ratio.detach()
+    elif args.correction == "vcpo":  # min(W, C') u A: no clip (its trust region is the ESS-scaled step)
+        W = torch.exp(log_W.clamp(max=80.0))  # (capped below; exp stays finite)
+        surrogate, capped = torch.clamp(W, max=args.vcpo_cap) * ratio * A, (W > args.vcpo_cap).expand_as(w)
     else:
         surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
     if args.correction == "tis":
@@ -537,6 +555,12 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     elif args.correction == "icepop":  # M(w) = w inside [a, b], 0 outside
         dropped = (w < args.icepop_low) | (w > args.icepop_high)
         surrogate = torch.where(dropped, 0.0, w) * surrogate
+    elif args.correction == "seq-tis":  # min(W_i, C) on every token of y_i: a row is whole in every micro-batch
+        W = torch.exp(log_W.clamp(max=80.0))
+        surrogate, capped = torch.clamp(W, max=args.seq_cap) * surrogate, (W > args.seq_cap).expand_as(w)
+    elif args.correction == "seq-mis":  # y_i dropped whole where W_i > C
+        dropped = (log_W > math.log(args.seq_cap)).expand_as(w)
+        surrogate = torch.where(dropped, 0.0, surrogate)
     elif args.correction in ("seq-mask", "opsm"):  # whole sequences: a row is whole in every micro-batch
         tokens = mask.sum(-1).clamp(min=1)
         if args.correction == "seq-mask":  # |mean_t log w_t| > log C: the geometric mean left [1/C, C]
@@ -552,16 +576,16 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     loss = aggregate(per_token, mask, agg, num_seqs, num_tokens, args.max_new_tokens)
     with torch.no_grad():  # token sums of the diagnostics; divided by the token count after the step
         m = mask.bool()
-        clip = args.correction not in ("m2po", "cispo")  # their trust region is the mask or the capped weight
+        clip = args.correction not in ("m2po", "cispo", "vcpo")  # their trust region: the mask, the weight, the step
         clip_low, clip_high = (ratio < 1 - args.eps_low) & (A < 0) & clip, (ratio > 1 + args.eps_high) & (A > 0) & clip
         stats = {
             "ratio": ratio[m].sum(),
             "approx_kl": kl_estimate(old_logps, logps, "k3")[m].sum(),  # KL(pi_old || pi_theta): (u - 1) - log u
             "clip_low": clip_low[m].sum(),
             "clip_high": clip_high[m].sum(),
-            "masked": dropped[m].sum(),  # tokens dropped (m2po's mask, decoupled's cap, icepop, seq-mask, opsm)
+            "masked": dropped[m].sum(),  # tokens dropped (m2po's mask, decoupled's cap, icepop, seq-mask, opsm, seq-mis)
             "masked_seqs": ((dropped | ~m).all(-1) & m.any(-1)).sum(),  # sequences dropped whole
-            "capped": capped[m].sum(),  # tokens whose weight was truncated (tis) or clipped (cispo)
+            "capped": capped[m].sum(),  # tokens whose weight was truncated (tis, seq-tis, vcpo) or clipped (cispo)
             "ratio_min": ratio[m].min() if m.any() else ratio.new_tensor(1.0),
             "ratio_max": ratio[m].max() if m.any() else ratio.new_tensor(1.0),
         }
@@ -589,12 +613,43 @@ def behaviour_diagnostics(old_logps, behav_logps, advantages) -> dict[str, float
     }
 
 
+def vcpo_advantages(policy, batch: Rollout, rewards: torch.Tensor, stale: bool, args: Args) -> tuple[torch.Tensor, dict]:
+    """VCPO (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv:2602.17616):
+    each group's off-policy optimal baseline in place of its mean reward, no critic,
+
+        b_g = sum_{i in g} W_i^2 ||grad log pi_theta(y_i | x)||^2 R_i / sum_{i in g} W_i^2 ||grad log pi_theta(y_i | x)||^2
+        A_i = (R_i - b_g) / (std_g(R) + 1e-4)                                  (--scale-rewards: the std, as GRPO's)
+
+    and the step's learning-rate factor sqrt(ESS / B), ESS = (sum_i W_i)^2 / sum_i W_i^2 over the batch's B sequences
+    (its square-root rule for AdamW), W_i = exp(sum_t log pi_old / mu). The norms take one backward a sequence at the
+    learner's weights (pi_theta = pi_old), the paper's per-trajectory pass: about one more forward and backward a step."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    sq_norms, log_W = [], []
+    for i in range(len(rewards)):
+        mb = trimmed(batch, torch.tensor([i]))
+        logps, _ = token_logprobs(policy, *mb.inputs, args.temperature, False, args.top_k, args.top_p)
+        grads = torch.autograd.grad((logps * mb.completion_mask).sum(), params, allow_unused=True)  # of log pi(y_i | x)
+        sq_norms.append(sum(g.float().pow(2).sum() for g in grads if g is not None))
+        log_W.append(((logps.detach() - mb.logprobs) * mb.completion_mask).sum() if stale else logps.new_zeros(()))
+    G, log_W, R = args.num_generations, torch.stack(log_W).float(), rewards.float().view(-1, args.num_generations)
+    W2 = torch.exp(2 * (log_W.view(-1, G) - log_W.view(-1, G).max(-1, keepdim=True).values))  # W^2 up to a group factor
+    weight = W2 * torch.stack(sq_norms).view(-1, G)
+    baseline = (weight * R).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=1e-30)
+    std = {"group": R.std(-1, keepdim=True), "batch": R.std(), "none": None}[args.scale_rewards]
+    advantages = ((R - baseline) / (std + 1e-4) if std is not None else R - baseline).view(-1)
+    v = torch.exp(log_W - log_W.max())  # the ESS does not change when every weight is scaled alike
+    ess = (v.sum() ** 2 / (len(v) * (v**2).sum())).item()
+    return advantages, {"offpolicy/seq_ess": ess, "offpolicy/vcpo_lr_scale": math.sqrt(ess),
+                        "offpolicy/vcpo_baseline_shift": (baseline - R.mean(-1, keepdim=True)).abs().mean().item()}
+
+
 def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args,
-             step: int) -> dict[str, float]:
+             step: int, lr_scale: float = 1.0) -> dict[str, float]:
     """num_iterations passes over the batch, each one optimiser step accumulated over micro-batches of whole groups.
     pi_old is the learner's policy before the update: the first pass's log-probs. m2po needs the whole
     batch's second moment at the current weights before each pass's first gradient, so it gets them
-    from an extra no-grad pass (on the first pass these are pi_old's)."""
+    from an extra no-grad pass (on the first pass these are pi_old's). lr_scale multiplies the learning rate of this
+    step's optimiser steps (VCPO's sqrt(ESS / B))."""
     mask = batch.completion_mask
     micro = micro_batches(batch, args.num_generations, args.minibatches, args.microbatch_tokens,
                           runs_prompts_once(policy))  # the budget counts a prompt per group, or per row
@@ -623,6 +678,9 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
 
     num_tokens = mask.sum()
     stats, grad_norms = [], []
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr * lr_scale
     for iteration in range(args.num_iterations):
         keep = m2po_keep() if args.correction == "m2po" else [None] * len(micro)
         for j, mb in enumerate(micro):  # attention on model and environment tokens; the loss on the model's only
@@ -640,6 +698,8 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
             stats.append({**step_stats, "loss": loss.detach()})
         pass_loss = sum(s["loss"] for s in stats[-len(micro):])  # this pass's loss: no NaN reaches the weights
         grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
 
     token_passes = max(num_tokens.item(), 1) * args.num_iterations
     metrics = {
@@ -746,11 +806,15 @@ def main(args: Args) -> None:
             assert staleness <= K, (staleness, K)  # pacing or dropping guarantees it
             # ---- 4. group-relative advantages
             rewards = batch.rewards
-            advantages = group_advantages(rewards, G, args.scale_rewards)
+            advantages, vcpo = group_advantages(rewards, G, args.scale_rewards), {}
             # ---- 5. optimise, 6. publish the new weights (version step) to the generator
             t0 = time.perf_counter()
             off_policy = staleness > 0 or engine is not None  # with an engine, mu is its log-probs even at staleness 0
-            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, off_policy, args, step)
+            if args.correction == "vcpo":  # VCPO's baseline replaces the group mean; its ESS scales the step
+                advantages, vcpo = vcpo_advantages(policy, batch.rollout, rewards, off_policy, args)
+            metrics = optimise(policy, ref, optimizer, accelerator, batch.rollout, advantages, off_policy, args, step,
+                               vcpo.get("offpolicy/vcpo_lr_scale", 1.0))
+            metrics.update(vcpo)
             train_s = time.perf_counter() - t0
             if step % args.sync_every == 0:  # emulated mode: every step (its --sync-every is 1)
                 generator.publish(snapshot(policy), step)

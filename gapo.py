@@ -52,7 +52,7 @@ from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_
 from common.cli import check, run
 from common.engine import check_engine, micro_batch_mismatch, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
-from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.losses import aggregate, frac_zero_std, group_advantages, importance_ratio, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import check_chat, trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
@@ -224,9 +224,9 @@ def check_args(args: Args, num_processes: int) -> None:
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
-    saved = json.loads((run_dir / "args.json").read_text())
+    saved, default = json.loads((run_dir / "args.json").read_text()), asdict(Args())  # a flag added since: its default
     for key, value in asdict(args).items():
-        check(key in RESUMABLE or saved.get(key) == value,
+        check(key in RESUMABLE or saved.get(key, default[key]) == value,
               f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
 
 
@@ -252,10 +252,8 @@ def gapo_loss(logps, old_logps, ref_logps, advantages, eps_high, c, mask, args: 
               turn_ids=None, max_turns=1):
     """Clipped surrogate with a per-completion upper bound, plus beta * KL, aggregated with the whole batch's
     counts; with turn_ids (multi-turn), the clip and ratio statistics per model turn too."""
-    log_ratio = logps - old_logps
-    if args.ratio_level == "sequence":  # s_i = exp(mean_t log r_it), the same for every token of y_i
-        log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)).expand_as(logps)
-    ratio = torch.exp(log_ratio)  # == 1 on the first pass over a batch
+    # r_it, or at --ratio-level sequence s_i = exp(mean_t log r_it) for every token of y_i; == 1 on a batch's first pass
+    ratio = importance_ratio(logps, old_logps, mask, args.ratio_level)
     A, upper = advantages[:, None], 1 + eps_high[:, None]
     surrogate = torch.min(ratio * A, torch.minimum(ratio.clamp(min=1 - args.eps_low), upper) * A)
     per_token = -surrogate

@@ -10,7 +10,12 @@ reward R_i, and use the group as the baseline (no critic):
     r_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)
 
 `agg` is --loss-agg (seq-mean-token-mean in the paper; token-mean is DAPO's; seq-mean-token-sum-norm
-with --scale-rewards none is Dr. GRPO). --eps-high 0.28 is DAPO's clip-higher.
+with --scale-rewards none is Dr. GRPO). --eps-high 0.28 is DAPO's clip-higher. --importance-level sequence is GSPO
+(Zheng et al. 2025, arXiv:2507.18071, Qwen3's RL objective): r_it replaced by the length-normalised sequence ratio
+
+    s_i = (pi_theta(y_i | x) / pi_old(y_i | x))^(1/|y_i|) = exp(mean_t log r_it)     (clipped at 3e-4 / 4e-4 by default)
+
+the same for every token of y_i; sequence-token is GSPO-token (s_i's value, each token's own gradient).
 
 Why the clip fraction is zero: with --num-iterations 1 the batch gets one optimiser step, taken at
 the weights that sampled it, so pi_theta == pi_old, r == 1 and clipping never binds. It binds from
@@ -45,13 +50,16 @@ from common.checkpoint import GracefulStop, export_model, find_checkpoint, load_
 from common.cli import check, run
 from common.engine import check_engine, micro_batch_mismatch, start_engine
 from common.logging import MetricsWriter, device_memory, print_summary, progress_bar
-from common.losses import aggregate, frac_zero_std, group_advantages, kl_estimate
+from common.losses import aggregate, frac_zero_std, group_advantages, importance_ratio, kl_estimate
 from common.models import (eos_token_ids, load_policy, load_reference, load_tokenizer, optimizer_step, pure_dtype_warning,
                            resolve_model, trainable)
 from common.multiturn import check_chat, trajectory_lengths, trajectory_metrics, turn_metrics, turn_stats
 from common.rollout import (concat_rollouts, evaluate, micro_batches, rollout, run_reach, runs_prompts_once,
                             select_rows, token_logprobs)
 from common.tasks import load_task
+
+
+DEFAULT_EPS = {"token": (0.2, 0.2), "sequence": (3e-4, 4e-4), "sequence-token": (3e-4, 4e-4)}  # GSPO's for s_i
 
 
 @dataclass
@@ -149,10 +157,15 @@ class Args:
     microbatch_tokens: int | None = None
     """or micro-batches by a token budget (verl's ppo_max_token_len_per_gpu): groups of like lengths, each micro-batch
     within this many tokens (its prompts once, its completions padded to its longest); the same update, less memory"""
-    eps_low: float = 0.2
-    """lower clip range: ratios below 1 - eps_low are clipped when A < 0"""
-    eps_high: float = 0.2
-    """upper clip range: ratios above 1 + eps_high are clipped when A > 0 (DAPO clip-higher: 0.28)"""
+    importance_level: Literal["token", "sequence", "sequence-token"] = "token"
+    """the ratio each token's surrogate clips: token r_it (GRPO); sequence s_i = exp(mean_t log r_it) (GSPO);
+    sequence-token s_i's value with each token's gradient (GSPO-token); common.losses.importance_ratio"""
+    eps_low: float | None = None
+    """lower clip range: ratios below 1 - eps_low are clipped when A < 0 (default 0.2; GSPO's 3e-4 for the sequence
+    levels)"""
+    eps_high: float | None = None
+    """upper clip range: ratios above 1 + eps_high are clipped when A > 0 (default 0.2, DAPO's clip-higher 0.28; GSPO's
+    4e-4 for the sequence levels)"""
     beta: float = 0.04
     """KL coefficient against the reference model; 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -183,6 +196,11 @@ class Args:
     """log to Weights & Biases (pip install -e '.[track]')"""
     wandb_project: str = "postrl"
     """W&B project"""
+
+    def __post_init__(self):  # the clip range's default depends on the ratio it clips
+        low, high = DEFAULT_EPS.get(self.importance_level, DEFAULT_EPS["token"])
+        self.eps_low = low if self.eps_low is None else self.eps_low
+        self.eps_high = high if self.eps_high is None else self.eps_high
 
 
 # Flags that may differ between a run and its resumption.
@@ -226,9 +244,9 @@ def check_args(args: Args, num_processes: int) -> None:
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
-    saved = json.loads((run_dir / "args.json").read_text())
+    saved, default = json.loads((run_dir / "args.json").read_text()), asdict(Args())  # a flag added since: its default
     for key, value in asdict(args).items():
-        check(key in RESUMABLE or saved.get(key) == value,
+        check(key in RESUMABLE or saved.get(key, default[key]) == value,
               f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
 
 
@@ -238,7 +256,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args: Args, num_seq
     """Clipped surrogate plus beta * KL, per token, aggregated with the whole batch's counts; with
     turn_ids (multi-turn), the clip and ratio statistics per model turn too. With --tis-cap, behav_logps are the
     sampler's log-probs mu."""
-    ratio = torch.exp(logps - old_logps)  # r_it; == 1 on the first pass over a batch
+    ratio = importance_ratio(logps, old_logps, mask, args.importance_level)  # r_it, or GSPO's s_i; 1 on a first pass
     A = advantages[:, None]
     surrogate = torch.min(ratio * A, torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high) * A)
     if args.tis_cap is not None:  # min(pi_old / mu, C): the sampler's tokens re-weighted towards the trainer's pi_old

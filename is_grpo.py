@@ -236,9 +236,9 @@ def check_args(args: Args, num_processes: int) -> None:
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
-    saved = json.loads((run_dir / "args.json").read_text())
+    saved, default = json.loads((run_dir / "args.json").read_text()), asdict(Args())  # a flag added since: its default
     for key, value in asdict(args).items():
-        check(key in RESUMABLE or saved.get(key) == value,
+        check(key in RESUMABLE or saved.get(key, default[key]) == value,
               f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
 
 

@@ -11,8 +11,11 @@ at the last real token,
 
     delta_t = r_t + gamma V(s_{t+1}) - V(s_t),    A_t = sum_l (gamma lam)^l delta_{t+l},    R_t = A_t + V(s_t),
 
-whitened over the batch. Then --ppo-epochs passes over the batch in --minibatches, each minibatch
-one optimiser step on
+whitened over the batch. VC-PPO (Yuan et al. 2025, arXiv:2503.01491) decouples the critic's lam from the actor's:
+--critic-lam 1 trains V on Monte-Carlo returns R_t = sum_l gamma^l r_{t+l} (a final reward not decayed along a long
+answer) while the advantages keep --lam; and --value-warmup-steps N trains only the critic on the first N batches
+(samples of the initial policy, whose weights stay as they are) so that V starts calibrated. Then --ppo-epochs passes
+over the batch in --minibatches, each minibatch one optimiser step on
 
     L = E_t[ max(-A_t r_t, -A_t clip(r_t, 1 - eps, 1 + eps)) ]                                   (policy)
       + vf_coef * 0.5 * E_t[ max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) ]              (value)
@@ -154,7 +157,11 @@ class Args:
     gamma: float = 1.0
     """discount over completion tokens"""
     lam: float = 0.95
-    """GAE lambda"""
+    """GAE lambda of the actor's advantages (and of the critic's returns, unless --critic-lam)"""
+    critic_lam: float | None = None
+    """GAE lambda of the critic's returns (VC-PPO's decoupled GAE: 1.0, Monte-Carlo returns); default: --lam"""
+    value_warmup_steps: int = 0
+    """the first N batches train the critic only, the policy's weights untouched (VC-PPO's value pretraining)"""
     kl_coef: float = 0.05
     """beta: KL penalty to the reference in the per-token reward (0 loads no reference model)"""
     adaptive_kl_target: float | None = None
@@ -202,6 +209,9 @@ def check_args(args: Args, num_processes: int) -> None:
     check(0 < args.cliprange < 1, f"--cliprange must be in (0, 1) (got {args.cliprange})")
     check(args.cliprange_value > 0, f"--cliprange-value must be > 0 (got {args.cliprange_value})")
     check(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, f"--gamma and --lam must be in [0, 1] (got {args.gamma}, {args.lam})")
+    check(args.critic_lam is None or 0 <= args.critic_lam <= 1, f"--critic-lam must be in [0, 1] (got {args.critic_lam})")
+    check(0 <= args.value_warmup_steps < args.steps,
+          f"--value-warmup-steps must be in [0, --steps) (got {args.value_warmup_steps}, --steps {args.steps})")
     check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
     check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
@@ -230,9 +240,9 @@ def check_args(args: Args, num_processes: int) -> None:
 
 
 def check_resume(args: Args, run_dir: Path) -> None:
-    saved = json.loads((run_dir / "args.json").read_text())
+    saved, default = json.loads((run_dir / "args.json").read_text()), asdict(Args())  # a flag added since: its default
     for key, value in asdict(args).items():
-        check(key in RESUMABLE or saved.get(key) == value,
+        check(key in RESUMABLE or saved.get(key, default[key]) == value,
               f"--{key.replace('_', '-')} is {value!r} but the run being resumed used {saved.get(key)!r}")
 
 
@@ -285,7 +295,8 @@ def advantages_and_returns(task_scores, finished, old_logps, ref_logps, old_valu
                            reduce=None):
     """The score (--no-eos-penalty for a completion that never ended), the per-token rewards (whitened with
     --whiten-rewards, their mean kept), GAE, and the advantages whitened; whitening over the global batch (reduce sums
-    over processes), so N processes take one process's step."""
+    over processes), so N processes take one process's step. The returns (the critic's targets) are GAE's at
+    --critic-lam where it is set (VC-PPO), at --lam else."""
     scores = task_scores
     if args.no_eos_penalty is not None:
         scores = torch.where(finished, task_scores, torch.full_like(task_scores, args.no_eos_penalty))
@@ -293,6 +304,8 @@ def advantages_and_returns(task_scores, finished, old_logps, ref_logps, old_valu
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, mask, shift_mean=False, reduce=reduce) * mask
     advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+    if args.critic_lam is not None and args.critic_lam != args.lam:  # VC-PPO's decoupled GAE: the critic's own lam
+        _, returns = gae(rewards, old_values, mask, args.gamma, args.critic_lam)
     return masked_whiten(advantages, mask, reduce=reduce) * mask, returns
 
 
@@ -312,9 +325,10 @@ def explained_variance(values, returns, mask, reduce=None) -> float:
 
 
 # ---------------------------------------------------------------- the PPO objective
-def ppo_loss(logps, old_logps, values, old_values, advantages, returns, entropy, mask, args: Args, num_tokens):
+def ppo_loss(logps, old_logps, values, old_values, advantages, returns, entropy, mask, args: Args, num_tokens,
+             warmup: bool = False):
     """Clipped policy loss + vf_coef * clipped value loss - ent_coef * entropy, token means over the
-    whole minibatch (num_tokens counts its tokens on every process)."""
+    whole minibatch (num_tokens counts its tokens on every process); during the value warm-up the value loss alone."""
     mask = mask.float()
     ratio = torch.exp(logps - old_logps)
     pg_losses = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - args.cliprange, 1 + args.cliprange))
@@ -323,7 +337,7 @@ def ppo_loss(logps, old_logps, values, old_values, advantages, returns, entropy,
     pg_loss = (pg_losses * mask).sum() / num_tokens
     vf_loss = (vf_losses * mask).sum() / num_tokens
     entropy_mean = (entropy * mask).sum() / num_tokens
-    loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy_mean
+    loss = args.vf_coef * vf_loss if warmup else pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy_mean
     with torch.no_grad():
         m = mask.bool()
         stats = {
@@ -343,6 +357,7 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
     epochs stop early when the approximate KL of the last epoch exceeds --target-kl."""
     mask = batch.completion_mask
     stats, grad_norms = [], []
+    warmup = step <= args.value_warmup_steps  # VC-PPO's value pretraining: the critic alone learns
     for epoch in range(args.ppo_epochs):
         order = torch.from_numpy(np.random.default_rng([args.seed, step, epoch]).permutation(mask.shape[0]))
         epoch_kl, epoch_tokens = 0.0, 0.0
@@ -353,8 +368,11 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
             logits, values = model(mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
             logps, entropy = logprobs_from_logits(logits, mb.completion_ids, args.temperature, True, True, args.top_k, args.top_p)
             loss, minibatch_stats = ppo_loss(logps, old_logps[rows, :T], values, old_values[rows, :T], advantages[rows, :T],
-                                             returns[rows, :T], entropy, mb.completion_mask, args, num_tokens)
+                                             returns[rows, :T], entropy, mb.completion_mask, args, num_tokens, warmup)
             accelerator.backward(loss)  # DDP averages over processes; num_tokens is the per-process share
+            if warmup:  # the value loss's gradient through a shared body stops there: the policy's weights stay
+                for p in accelerator.unwrap_model(model).policy.parameters():
+                    p.grad = None
             grad_norms.append(optimizer_step(optimizer, accelerator, model, args.max_grad_norm, loss, step))
             stats.append(minibatch_stats)
             epoch_kl, epoch_tokens = epoch_kl + minibatch_stats["approx_kl"], epoch_tokens + minibatch_stats["tokens"]
@@ -384,6 +402,7 @@ def optimise(model, optimizer, accelerator, batch, old_logps, old_values, advant
         "policy/approx_kl": total("approx_kl") / tokens,
         "policy/grad_norm": torch.stack(grad_norms).mean().item(),
         "policy/epochs": len(stats) / args.minibatches,
+        "value/warmup": float(warmup),
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IMPORTANCE_LEVELS = ("token", "sequence", "sequence-token")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -37,6 +38,28 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_seqs: 
         max_len = per_token.shape[1] if max_len is None else max_len
         return (per_token * mask).sum() / (num_seqs * max_len)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose from {LOSS_AGG_MODES}")
+
+
+def importance_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """The (B, T) importance ratio each token's clipped surrogate uses:
+
+      token           r_it = pi_theta(y_it | x, y_i<t) / pi_old(y_it | x, y_i<t)                        (PPO, GRPO)
+      sequence        s_i = exp(mean_t log r_it) = (pi_theta(y_i | x) / pi_old(y_i | x))^(1 / |y_i|)     (GSPO)
+      sequence-token  s_it = sg(s_i) pi_theta(y_it | .) / sg(pi_theta(y_it | .)): the value of s_i, the gradient
+                      s_i grad log pi_theta(y_it | .) of each token (GSPO-token; sg: stop-gradient)
+
+    (GSPO: Zheng et al. 2025, arXiv:2507.18071; TRL's importance_sampling_level.) The mean runs over y_i's mask == 1
+    tokens; a row with none gets s_i = 1."""
+    log_ratio = logps - old_logps
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"unknown importance level {level!r}; choose from {IMPORTANCE_LEVELS}")
+    mask = mask.to(log_ratio.dtype)
+    log_s = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    if level == "sequence":
+        return torch.exp(log_s).expand_as(logps)
+    return torch.exp(log_s.detach() + logps - logps.detach())
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

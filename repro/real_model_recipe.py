@@ -50,6 +50,10 @@ RECIPES = {  # name: flags
                                 str(DATA / "test.jsonl"), "--lr", "1e-5", "--minibatches", "4", "--num-iterations", "2",
                                 "--loss-agg", "token-mean"],
 }
+# issue 53: GSPO against GRPO at two passes a batch (from the second pass the ratio moves and the clip binds), GSPO's
+# sequence ratio clipped at its own range (3e-4, 4e-4)
+RECIPES["shaped_2iter_lr1e-5"] = [*RECIPES["shaped_lr1e-5"], "--num-iterations", "2"]
+RECIPES["gspo_2iter_lr1e-5"] = [*RECIPES["shaped_2iter_lr1e-5"], "--importance-level", "sequence"]
 SETS = (("eval/", "held-out"), ("eval/transfer/", "transfer"), ("eval/test/", "held-out, single-turn"))
 
 

@@ -67,6 +67,10 @@ ARMS = {  # name: (script, flags); K0 is the recipe's grpo.py run, in the recipe
     "K4_none_2iter": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "none",
                                         "--num-iterations", "2"]),
     "threaded": ("async_grpo.py", ["--mode", "threaded", "--max-staleness", "1", "--correction", "tis"]),
+    # issue 53: VCPO (Huang et al. 2026) at K = 4, and the sequence-level corrections (verl's seq_is / seq_mis) as probes
+    "K4_vcpo": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "vcpo"]),
+    "K4_seq_tis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "seq-tis"]),
+    "K4_seq_mis": ("async_grpo.py", ["--mode", "emulated", "--max-staleness", "4", "--correction", "seq-mis"]),
 }
 
 

@@ -103,6 +103,17 @@ S_TURNS = Arm("python repro/real_model_recipe.py --runs turns_lr1e-5:{seed}", "r
 S_STEPWISE = Arm("python repro/real_model_recipe.py --runs stepwise_lr1e-5:{seed}",
                  "repro_real_model_recipe/stepwise_lr1e-5_s{seed}.jsonl")
 
+# issue 53: the 2025-26 fixes, registered before any of their runs (4 seeds an arm)
+S_PPO = Arm("python repro/real_model_ppo.py --arms equal --seeds {seed}", "repro_real_model_ppo/equal_s{seed}.jsonl")
+S_VCPPO = Arm("python repro/real_model_ppo.py --arms equal_vcppo --seeds {seed}", "repro_real_model_ppo/equal_vcppo_s{seed}.jsonl")
+S_K4_VCPO = Arm("python repro/real_model_staleness.py --arms K4_vcpo --seeds {seed}",
+                "repro_real_model_staleness/K4_vcpo_s{seed}.jsonl")
+S_GRPO_2ITER = Arm("python repro/real_model_recipe.py --runs shaped_2iter_lr1e-5:{seed}",
+                   "repro_real_model_recipe/shaped_2iter_lr1e-5_s{seed}.jsonl")
+S_GSPO_2ITER = Arm("python repro/real_model_recipe.py --runs gspo_2iter_lr1e-5:{seed}",
+                   "repro_real_model_recipe/gspo_2iter_lr1e-5_s{seed}.jsonl")
+FOUR = (0, 1, 2, 3)
+
 REGISTERED = "2026-12-07"
 FINDINGS = [
     Finding("rl_lifts", "GRPO against its base model",
@@ -131,6 +142,32 @@ FINDINGS = [
             "grpo.py rewarded per correct intermediate result against the outcome-only (shaped) reward",
             Comparison(CHAIN_PARTIAL, CHAIN_OUTCOME, SEEDS, REGISTERED),
             Comparison(S_STEPWISE, S_K0, (0, 1), REGISTERED, unpaired=EARLIER)),
+    Finding("vcppo_vs_lam095", "VC-PPO against PPO at lam 0.95",
+            "ppo.py at one step a batch with decoupled GAE (critic lam 1) and 4 batches of value warm-up against lam "
+            "0.95 alone",
+            "not asked on the embedded job (issue 53: SmolLM2's collapse)",
+            Comparison(S_VCPPO, S_PPO, FOUR, "2026-12-07", unpaired=EARLIER)),
+    Finding("vcppo_vs_lam1", "VC-PPO against PPO at lam 1",
+            "ppo.py at one step a batch with decoupled GAE and value warm-up against lam 1 for both",
+            "not asked on the embedded job (issue 53: SmolLM2's collapse)",
+            Comparison(S_VCPPO, S_PPO_LAM1, FOUR, "2026-12-07", unpaired=EARLIER)),
+    Finding("vcpo_k4", "VCPO against no correction at K = 4",
+            "async_grpo.py at K = 4 with VCPO (ESS-scaled step, off-policy optimal baseline) against K = 4 uncorrected",
+            "not asked on the embedded job (issue 53: SmolLM2's K = 4)",
+            Comparison(S_K4_VCPO, S_K4, FOUR, "2026-12-07", unpaired=EARLIER)),
+    Finding("vcpo_vs_tis", "VCPO against TIS at K = 4",
+            "async_grpo.py at K = 4 with VCPO against K = 4 with truncated importance sampling (w capped at 2)",
+            "not asked on the embedded job (issue 53: SmolLM2's K = 4)",
+            Comparison(S_K4_VCPO, S_K4_TIS, FOUR, "2026-12-07", unpaired=EARLIER)),
+    Finding("vcpo_vs_k0", "VCPO at K = 4 against K = 0",
+            "async_grpo.py at K = 4 with VCPO against K = 0: how much of the stale batches' cost it leaves",
+            "not asked on the embedded job (issue 53: SmolLM2's K = 4)",
+            Comparison(S_K4_VCPO, S_K0, FOUR, "2026-12-07", unpaired=EARLIER)),
+    Finding("gspo", "GSPO against GRPO at two passes a batch",
+            "grpo.py with GSPO's sequence ratio (clip 3e-4, 4e-4) against the token ratio (clip 0.2), both two passes "
+            "a batch",
+            "not asked on the embedded job (issue 53)",
+            Comparison(S_GSPO_2ITER, S_GRPO_2ITER, FOUR, "2026-12-07")),
     Finding("dr_grpo", "Dr. GRPO against GRPO",
             "grpo.py without the group std in the advantage (Dr. GRPO) against GRPO (512 training prompts)",
             Comparison(DR_GRPO_512, GRPO_512, SEEDS, REGISTERED), "not asked on SmolLM2"),
@@ -144,6 +181,31 @@ FINDINGS = [
             "gapo.py (token ratio, eps_high up to 0.28 by the group's correct count) against grpo.py at eps 0.2, "
             "two passes a batch on reverse-long",
             Comparison(GAPO_HARD, GRPO_HARD, SEEDS, REGISTERED), "not asked on SmolLM2"),
+]
+
+@dataclass(frozen=True)
+class Probe:
+    """A run looked at, not a comparison decided: one or two seeds of a setting that might explain a finding."""
+    key: str
+    question: str
+    arm: Arm
+    seeds: tuple[int, ...]
+    registered: str
+
+
+PROBES = [
+    Probe("critic_lam1_alone", "ppo.py at one step a batch, lam 0.95, the critic's returns at lam 1 (decoupled GAE alone)",
+          Arm("python repro/real_model_ppo.py --arms equal_critic_lam1 --seeds {seed}",
+              "repro_real_model_ppo/equal_critic_lam1_s{seed}.jsonl"), (0, 1), "2026-12-07"),
+    Probe("warmup_alone", "ppo.py at one step a batch, lam 0.95, 4 batches of value warm-up (warm-up alone)",
+          Arm("python repro/real_model_ppo.py --arms equal_warmup --seeds {seed}",
+              "repro_real_model_ppo/equal_warmup_s{seed}.jsonl"), (0, 1), "2026-12-07"),
+    Probe("seq_tis_k4", "async_grpo.py at K = 4 with seq-tis (sequence weight truncated at 2)",
+          Arm("python repro/real_model_staleness.py --arms K4_seq_tis --seeds {seed}",
+              "repro_real_model_staleness/K4_seq_tis_s{seed}.jsonl"), (0, 1), "2026-12-07"),
+    Probe("seq_mis_k4", "async_grpo.py at K = 4 with seq-mis (a sequence dropped where its weight passes 2)",
+          Arm("python repro/real_model_staleness.py --arms K4_seq_mis --seeds {seed}",
+              "repro_real_model_staleness/K4_seq_mis_s{seed}.jsonl"), (0, 1), "2026-12-07"),
 ]
 
 # Logs no arm claims, each with its reason.
@@ -161,7 +223,6 @@ EXCLUDED = {
     "repro_real_model_staleness/K4_tis_cap*": "probe (issue 34, part 2): tis capped at 3 or 5, two seeds each",
     "repro_real_model_ppo/defaults_*": "probe (issue 34, part 4): ppo.py at 4 epochs x 4 minibatches (its defaults "
                                        "then), lam 0.95 or 1, two seeds each",
-    "repro_real_model_ppo/equal_s*": "probe (issue 34, part 4): one step a batch at lam 0.95, three seeds",
     "repro_real_model_ppo/equal_separate_s*": "probe (issue 34, part 4): a separate critic, three seeds",
     "repro_real_model_ppo/equal_lam1_lr16x_s*": "probe (issue 34, part 4): one step at 16x the lr, one seed",
     "repro_real_model_ppo/minibatches4_lam1_s*": "probe (issue 34, part 4): 1 epoch x 4 minibatches, one seed",

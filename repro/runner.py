@@ -148,8 +148,10 @@ def kept(job: Job, output_dir: str) -> dict | None:
 
 
 def steps(job: Job) -> int:
-    """The job's --steps (0 if it leaves the script's default)."""
-    return int(job.flags[job.flags.index("--steps") + 1]) if "--steps" in job.flags else 0
+    """The job's --steps (0 if it leaves the script's default; the last where an arm's flags set it again)."""
+    if "--steps" not in job.flags:
+        return 0
+    return int(job.flags[len(job.flags) - 1 - job.flags[::-1].index("--steps") + 1])  # the last one given: it counts
 
 
 def shorter(run_dir: Path, job: Job) -> bool:

@@ -29,13 +29,23 @@ def test_algorithm_learns_the_embedded_task(tmp_path, script):
     assert_learns(script, tmp_path, **extra)
 
 
-@pytest.mark.parametrize("correction", ["icepop", "seq-mask", "opsm", "cispo"])
+@pytest.mark.parametrize("correction", ["icepop", "seq-mask", "opsm", "cispo", "seq-tis", "seq-mis", "vcpo"])
 def test_async_grpo_learns_with_each_correction_that_drops_or_caps(tmp_path, correction):
     """At emulated K = 1. seq-mask at C = 1.05: its default 1.001 (verl's, sized for the sampler/trainer mismatch)
     drops 92-95 % of the sequences of a batch one version stale here and ends at 0.19 (measured; 1.01: about 60 %
     dropped, 0.52; 1.05: 10-28 %, 0.63)."""
     cap = {"seq_mask_cap": 1.05} if correction == "seq-mask" else {}
     assert_learns(async_grpo, tmp_path, mode="emulated", max_staleness=1, correction=correction, **cap)
+
+
+def test_grpo_learns_with_gspos_sequence_ratio_at_two_passes_a_batch(tmp_path):
+    """--importance-level sequence (GSPO, its clip 3e-4 / 4e-4): the second pass moves s_i and its clip binds."""
+    assert_learns(grpo, tmp_path, importance_level="sequence", num_iterations=2)
+
+
+def test_ppo_learns_with_decoupled_gae_and_a_value_warm_up(tmp_path):
+    """VC-PPO's two parts: the critic's returns at lam 1, the first 3 of the 30 batches training the critic alone."""
+    assert_learns(ppo, tmp_path, critic_lam=1.0, value_warmup_steps=3)
 
 
 def test_grpo_learns_the_multi_turn_chain(tmp_path):

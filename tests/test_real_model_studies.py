@@ -44,11 +44,14 @@ def here(problems):
 
 def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_names_say(here):
     recipe = tyro.cli(grpo.Args, args=here(with_recipe(flags(RecipeArgs()), RECIPES["shaped_lr1e-5"])))
-    shared = [k for k in SHARED if k != "lr"]  # the lr is the recipe's but in the arm that multiplies it
+    shared = [k for k in SHARED if k not in ("lr", "steps")]  # the lr: but in the arm that multiplies it; steps below
     for arm, extra in ARMS.items():
         args = tyro.cli(ppo.Args, args=here([*ppo_flags(Args()), *extra]))
         ppo.check_args(args, num_processes=1)
         assert {k: getattr(args, k) for k in shared} == {k: getattr(recipe, k) for k in shared}, arm
+        warmup = 4 if arm.endswith(("vcppo", "warmup")) else 0  # VC-PPO's value warm-up: batches the policy does not take
+        assert (args.value_warmup_steps, args.steps) == (warmup, recipe.steps + warmup), arm  # 40 policy updates
+        assert args.critic_lam == (1.0 if arm.endswith(("vcppo", "critic_lam1")) else None), arm
         assert args.lr == pytest.approx(recipe.lr * (16 if arm.endswith("lr16x") else 1)), arm
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
         steps = 16 if arm.startswith("defaults") else 4 if arm.startswith(("minibatches4", "epochs4")) else 1
@@ -57,7 +60,8 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_nam
         assert args.critic == ("separate" if arm.endswith("separate") else "head")
         # two models' activations, or a whole batch's 4 times over, do not fit 24 GB
         assert args.gradient_checkpointing == (arm.endswith("separate") or arm.startswith("epochs4"))
-        assert args.lam == pytest.approx(1.0 if "lam1" in arm else 0.95) and args.gamma == pytest.approx(1.0)
+        actor_lam1 = "lam1" in arm.replace("critic_lam1", "")  # the actor's lam; critic_lam1: the critic's alone
+        assert args.lam == pytest.approx(1.0 if actor_lam1 else 0.95) and args.gamma == pytest.approx(1.0)
 
 
 def test_the_study_run_benchmarks_grpo_run_is_the_recipes_run_of_its_seed(here):

@@ -37,7 +37,8 @@ A_i the group-relative advantage, u = pi_theta / pi_old, r = pi_theta / mu, w = 
                arXiv:2506.13585: its 1 / sum_i |o_i|; --cispo-eps-low/-high)
     seq-tis    min(W, C) * min(u A, clip(u) A), W = exp(sum_t log w_t) the sequence's weight (a product over its
                tokens, not their geometric mean), C = --seq-cap (verl's seq_is; TRL's sequence truncate)
-    seq-mis    min(u A, clip(u) A), unweighted, a whole sequence dropped where W > C (verl's seq_mis; TRL's mask)
+    seq-mis    min(u A, clip(u) A), unweighted, a whole sequence dropped where W leaves [1/C, C] (verl's seq_mis, its
+               lower bound 1/C by default; TRL's sequence mask)
     vcpo       min(W, C') * u A, no clip, with A from the off-policy optimal baseline and the step's learning rate
                scaled by sqrt(ESS / B) of the sequence weights (VCPO, Huang et al. 2026, arXiv:2602.17616:
                vcpo_advantages; C' = --vcpo-cap, 8 as its public recipe)
@@ -212,7 +213,7 @@ class Args:
     public reproductions)"""
     seq_cap: float = 2.0
     """C of seq-tis and seq-mis: the sequence weight W = exp(sum_t log pi_old / mu) is truncated at C, or the sequence
-    dropped where W > C (verl's rollout-correction default, 2)"""
+    dropped where W leaves [1/C, C] (verl's rollout-correction default, 2)"""
     vcpo_cap: float = 8.0
     """vcpo: the sequence weight W truncated at this in the loss (8 in the paper's public recipe)"""
     lr: float = 5e-4
@@ -558,8 +559,8 @@ def async_loss(logps, old_logps, behav_logps, ref_logps, advantages, mask, args:
     elif args.correction == "seq-tis":  # min(W_i, C) on every token of y_i: a row is whole in every micro-batch
         W = torch.exp(log_W.clamp(max=80.0))
         surrogate, capped = torch.clamp(W, max=args.seq_cap) * surrogate, (W > args.seq_cap).expand_as(w)
-    elif args.correction == "seq-mis":  # y_i dropped whole where W_i > C
-        dropped = (log_W > math.log(args.seq_cap)).expand_as(w)
+    elif args.correction == "seq-mis":  # y_i dropped whole where W_i leaves [1/C, C]
+        dropped = (log_W.abs() > math.log(args.seq_cap)).expand_as(w)
         surrogate = torch.where(dropped, 0.0, surrogate)
     elif args.correction in ("seq-mask", "opsm"):  # whole sequences: a row is whole in every micro-batch
         tokens = mask.sum(-1).clamp(min=1)
@@ -614,33 +615,37 @@ def behaviour_diagnostics(old_logps, behav_logps, advantages) -> dict[str, float
 
 
 def vcpo_advantages(policy, batch: Rollout, rewards: torch.Tensor, stale: bool, args: Args) -> tuple[torch.Tensor, dict]:
-    """VCPO (Huang et al. 2026, "Stable Asynchrony: Variance-Controlled Off-Policy RL for LLMs", arXiv:2602.17616):
-    each group's off-policy optimal baseline in place of its mean reward, no critic,
+    """VCPO (Huang et al. 2026, "Stable Asynchrony", arXiv:2602.17616): each group's off-policy optimal baseline in
+    place of its mean reward (no critic), and the step's learning-rate factor sqrt(ESS / B) (its rule for AdamW),
 
-        b_g = sum_{i in g} W_i^2 ||grad log pi_theta(y_i | x)||^2 R_i / sum_{i in g} W_i^2 ||grad log pi_theta(y_i | x)||^2
-        A_i = (R_i - b_g) / (std_g(R) + 1e-4)                                  (--scale-rewards: the std, as GRPO's)
+        b_g = sum_{i in g} W_i^2 ||h_i||^2 R_i / sum_{i in g} W_i^2 ||h_i||^2,      A_i = (R_i - b_g) / (std_g(R) + 1e-4)
+        ESS = (sum_i W_i)^2 / sum_i W_i^2 over the batch's B sequences,             W_i = exp(sum_t log pi_old / mu)
 
-    and the step's learning-rate factor sqrt(ESS / B), ESS = (sum_i W_i)^2 / sum_i W_i^2 over the batch's B sequences
-    (its square-root rule for AdamW), W_i = exp(sum_t log pi_old / mu). The norms take one backward a sequence at the
-    learner's weights (pi_theta = pi_old), the paper's per-trajectory pass: about one more forward and backward a step."""
+    with h_i = grad log pi_theta(y_i | x) and W_i as the loss applies them (h_i / |y_i| under seq-mean-token-mean, W_i
+    capped at --vcpo-cap): the variance-minimising baseline of the update taken, the paper's wherever W <= cap. The
+    norms take a backward a sequence (the paper's per-trajectory pass). All-equal rewards keep A = 0."""
     params = [p for p in policy.parameters() if p.requires_grad]
     sq_norms, log_W = [], []
     for i in range(len(rewards)):
         mb = trimmed(batch, torch.tensor([i]))
         logps, _ = token_logprobs(policy, *mb.inputs, args.temperature, False, args.top_k, args.top_p)
-        grads = torch.autograd.grad((logps * mb.completion_mask).sum(), params, allow_unused=True)  # of log pi(y_i | x)
+        score = (logps * mb.completion_mask).sum()  # log pi_theta(y_i | x), over the model's tokens
+        if args.loss_agg == "seq-mean-token-mean":
+            score = score / mb.completion_mask.sum().clamp(min=1)
+        grads = torch.autograd.grad(score, params, allow_unused=True)
         sq_norms.append(sum(g.float().pow(2).sum() for g in grads if g is not None))
         log_W.append(((logps.detach() - mb.logprobs) * mb.completion_mask).sum() if stale else logps.new_zeros(()))
     G, log_W, R = args.num_generations, torch.stack(log_W).float(), rewards.float().view(-1, args.num_generations)
-    W2 = torch.exp(2 * (log_W.view(-1, G) - log_W.view(-1, G).max(-1, keepdim=True).values))  # W^2 up to a group factor
-    weight = W2 * torch.stack(sq_norms).view(-1, G)
-    baseline = (weight * R).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=1e-30)
+    lw = log_W.clamp(max=math.log(args.vcpo_cap)).view(-1, G)  # the weight the loss applies: min(W, cap)
+    weight = torch.exp(2 * (lw - lw.max(-1, keepdim=True).values)) * torch.stack(sq_norms).view(-1, G)  # up to a factor
+    mean = R.mean(-1, keepdim=True)  # b_g as the mean plus a weighted deviation: exactly the mean where R is constant
+    baseline = mean + (weight * (R - mean)).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp(min=1e-30)
     std = {"group": R.std(-1, keepdim=True), "batch": R.std(), "none": None}[args.scale_rewards]
     advantages = ((R - baseline) / (std + 1e-4) if std is not None else R - baseline).view(-1)
     v = torch.exp(log_W - log_W.max())  # the ESS does not change when every weight is scaled alike
     ess = (v.sum() ** 2 / (len(v) * (v**2).sum())).item()
     return advantages, {"offpolicy/seq_ess": ess, "offpolicy/vcpo_lr_scale": math.sqrt(ess),
-                        "offpolicy/vcpo_baseline_shift": (baseline - R.mean(-1, keepdim=True)).abs().mean().item()}
+                        "offpolicy/vcpo_baseline_shift": (baseline - mean).abs().mean().item()}
 
 
 def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, stale: bool, args: Args,
@@ -681,25 +686,28 @@ def optimise(policy, ref, optimizer, accelerator, batch: Rollout, advantages, st
     lrs = [group["lr"] for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr * lr_scale
-    for iteration in range(args.num_iterations):
-        keep = m2po_keep() if args.correction == "m2po" else [None] * len(micro)
-        for j, mb in enumerate(micro):  # attention on model and environment tokens; the loss on the model's only
-            logps, token_entropy = token_logprobs(policy, *mb.inputs, args.temperature, iteration == 0, args.top_k, args.top_p)
-            if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
-                if j not in old_logps:
-                    set_pi_old(j, logps)
-                entropy += (token_entropy * mb.completion_mask).sum()
-                if ref is not None:
-                    kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mb.completion_mask).sum()
-            loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps[j], advantages[mb.rows],
-                                          mb.completion_mask, args, mask.shape[0], num_tokens, keep[j], mb.turn_ids,
-                                          batch.max_turns)
-            accelerator.backward(loss)
-            stats.append({**step_stats, "loss": loss.detach()})
-        pass_loss = sum(s["loss"] for s in stats[-len(micro):])  # this pass's loss: no NaN reaches the weights
-        grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
+    try:
+        for iteration in range(args.num_iterations):
+            keep = m2po_keep() if args.correction == "m2po" else [None] * len(micro)
+            for j, mb in enumerate(micro):  # attention on model and environment tokens; the loss on the model's only
+                logps, token_entropy = token_logprobs(policy, *mb.inputs, args.temperature, iteration == 0, args.top_k,
+                                                      args.top_p)
+                if iteration == 0:  # the learner's weights before the update: pi_old, and the diagnostics measured at them
+                    if j not in old_logps:
+                        set_pi_old(j, logps)
+                    entropy += (token_entropy * mb.completion_mask).sum()
+                    if ref is not None:
+                        kl_ref += (kl_estimate(old_logps[j], ref_logps[j], args.kl_estimator) * mb.completion_mask).sum()
+                loss, step_stats = async_loss(logps, old_logps[j], behav_logps[j], ref_logps[j], advantages[mb.rows],
+                                              mb.completion_mask, args, mask.shape[0], num_tokens, keep[j], mb.turn_ids,
+                                              batch.max_turns)
+                accelerator.backward(loss)
+                stats.append({**step_stats, "loss": loss.detach()})
+            pass_loss = sum(s["loss"] for s in stats[-len(micro):])  # this pass's loss: no NaN reaches the weights
+            grad_norms.append(optimizer_step(optimizer, accelerator, policy, args.max_grad_norm, pass_loss, step))
+    finally:  # the step's factor, for this step only (also when a non-finite loss stops the run)
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
 
     token_passes = max(num_tokens.item(), 1) * args.num_iterations
     metrics = {

@@ -152,6 +152,9 @@ class Args:
     """c of the clipped value loss: V may move at most c from V_old"""
     vf_coef: float = 0.1
     """weight of the value loss"""
+    vf_lr: float | None = None
+    """learning rate of the critic (the value head, and a separate critic's weights); default: --lr (verl and OpenRLHF
+    give the critic its own, often 10x the actor's)"""
     ent_coef: float = 0.0
     """weight of the entropy bonus"""
     gamma: float = 1.0
@@ -212,7 +215,7 @@ def check_args(args: Args, num_processes: int) -> None:
     check(args.critic_lam is None or 0 <= args.critic_lam <= 1, f"--critic-lam must be in [0, 1] (got {args.critic_lam})")
     check(0 <= args.value_warmup_steps < args.steps,
           f"--value-warmup-steps must be in [0, --steps) (got {args.value_warmup_steps}, --steps {args.steps})")
-    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
+    check(args.lr > 0 and (args.vf_lr is None or args.vf_lr > 0), f"--lr and --vf-lr must be > 0 (got {args.lr}, {args.vf_lr})")
     check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
     check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
     check(args.steps >= 1 and args.ppo_epochs >= 1, f"--steps and --ppo-epochs must be >= 1 (got {args.steps}, {args.ppo_epochs})")
@@ -337,7 +340,10 @@ def ppo_loss(logps, old_logps, values, old_values, advantages, returns, entropy,
     pg_loss = (pg_losses * mask).sum() / num_tokens
     vf_loss = (vf_losses * mask).sum() / num_tokens
     entropy_mean = (entropy * mask).sum() / num_tokens
-    loss = args.vf_coef * vf_loss if warmup else pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy_mean
+    policy_terms = pg_loss - args.ent_coef * entropy_mean
+    # during the warm-up the value loss alone; the policy's terms at weight 0 keep every parameter in the graph (DDP
+    # reduces every gradient), and the policy's gradients are dropped before the step (optimise)
+    loss = args.vf_coef * vf_loss + (0.0 * policy_terms if warmup else policy_terms)
     with torch.no_grad():
         m = mask.bool()
         stats = {
@@ -436,7 +442,9 @@ def main(args: Args) -> None:
     model = ActorCritic(policy, critic)
     ref = load_reference(model_path, args, policy).to(accelerator.device) if args.kl_coef > 0 else None
     eos_ids = eos_token_ids(policy, tokenizer)
-    optimizer = torch.optim.AdamW(trainable(model), lr=args.lr, weight_decay=args.weight_decay)
+    critic_params = [p for name, p in model.named_parameters() if p.requires_grad and not name.startswith("policy.")]
+    optimizer = torch.optim.AdamW([{"params": trainable(policy)}, {"params": critic_params, "lr": args.vf_lr or args.lr}],
+                                  lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = load_state(checkpoint, optimizer) if checkpoint else {"step": -1, "extra": {}}
     if checkpoint:  # the critic is not part of the policy's save_pretrained directory: it is in state.pt
@@ -516,7 +524,7 @@ def main(args: Args) -> None:
         # ---- 6. adapt beta toward the KL target (Ziegler et al.: proportional control, error clipped to +-0.2)
         kl_per_completion = ((old_logps - ref_logps) * mask).sum(-1) if ref is not None else torch.zeros_like(task_scores)
         kl_ref = accelerator.gather(kl_per_completion).mean().item()
-        if args.adaptive_kl_target is not None:
+        if args.adaptive_kl_target is not None and step > args.value_warmup_steps:  # (the policy is pi_ref till then)
             error = float(np.clip(kl_ref / args.adaptive_kl_target - 1, -0.2, 0.2))
             kl_coef *= 1 + error * args.prompts_per_step * G / args.adaptive_kl_horizon
         # ---- 7. log

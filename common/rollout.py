@@ -377,7 +377,8 @@ def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str
             train, _ = token_logprobs(model.train(), *batch)  # in training mode, as it trains
             model.eval()  # the sampler and the model's own forward: in eval mode, as it samples
             uniforms = torch.rand(len(prompts[0]), steps, generator=g).to(device)
-            eos = list(range(low, low + max(1, (high - low) // 6)))  # a sixth of the ids: rows end, and leave the batch
+            # a sixth of the ids end a row (rows leave the batch); at the reach none does: every row decodes to the reach
+            eos = list(range(low, low + max(1, (high - low) // 6))) if sampler_lengths is None else []
             sampled, behaviour = sample(model, *prompts, steps, 1.0, eos, 0, uniforms)
             ended = completion_mask(sampled, eos)[0]
             reference, reference_sampled = own(*batch), own(*prompts, sampled, ended)
@@ -446,14 +447,16 @@ def length_switch(model) -> tuple[str, int] | None:
 
 def run_reach(task, tokenizer, max_new_tokens: int) -> int:
     """The longest sequence a run scores or samples: its longest prompt as the sampler encodes it (chat template
-    included; training, held-out and extra sets), plus its completion budget (max_new_tokens; for a multi-turn task the
-    larger of that and the trajectory's env.max_tokens after the prompt)."""
+    included; training, held-out and extra sets), plus its completion budget: max_new_tokens, and for a multi-turn task
+    the trajectory's env.max_tokens after the prompt besides (its last turn starts below that budget and the sampler
+    decodes up to max_new_tokens more, the turn cut to the budget only afterwards; a batch's longest row sets the
+    positions every row is scored at)."""
     prompts = [p for data in (task.train, task.test, *task.extra_tests.values()) for p in data["prompt"]]
     unique = list({p if isinstance(p, str) else repr(p): p for p in prompts}.values())
     longest = max(int(encode_prompts(tokenizer, [p], "cpu")[1].sum()) for p in unique) if unique else 0
     budget = max_new_tokens
-    if task.env is not None:
-        budget = max(budget, task.env(task.train[0]["answer"]).max_tokens)
+    if task.env is not None:  # a last turn starts below env.max_tokens and decodes up to max_new_tokens before its cut
+        budget += task.env(task.train[0]["answer"]).max_tokens
     return longest + budget
 
 

@@ -296,5 +296,51 @@ def test_a_run_reaches_its_longest_prompt_as_the_sampler_encodes_it_plus_its_bud
     task = load_task("reverse")  # prompts of 4-6 characters, one token each
     longest = max(len(p) for data in (task.train, task.test) for p in data["prompt"])
     assert run_reach(task, tokenizer, 8) == longest + 8
-    chain = load_task("chain-3")  # multi-turn: the trajectory's budget after the prompt
-    assert run_reach(chain, tokenizer, 8) == max(len(p) for p in [*chain.train["prompt"], *chain.test["prompt"]]) + 124
+    chain = load_task("chain-3")  # multi-turn: the trajectory's budget after the prompt, and a last turn's decoding
+    assert run_reach(chain, tokenizer, 8) == max(len(p) for p in [*chain.train["prompt"], *chain.test["prompt"]]) + 124 + 8
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_multi_turn_run_never_decodes_past_its_reach(tokenizer, rope_type):
+    """A last turn starts below env.max_tokens and decodes --max-new-tokens before it is cut, and the batch's longest
+    row sets everyone's positions: with the switch at the run's reach, a model checked there scores every kept token as
+    it sampled it (before the fix the reach was prompt + max(budgets), and a row was off by up to 1.7 nats)."""
+    import types
+
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from common.multiturn import multi_turn_rollout
+    from common.rollout import run_reach
+
+    class Env:  # turns until the budget: observations of two lengths, so rows reach their budget at different turns
+        max_turns, max_tokens, success = 10, 20, False
+
+        def __init__(self, observation):
+            self.observation = observation
+
+        def reset(self, prompt):
+            return prompt
+
+        def step(self, turn):
+            return self.observation, 0.0, False
+
+    rows = Dataset.from_list([{"prompt": "abcd", "answer": ""}])
+    reach = run_reach(types.SimpleNamespace(train=rows, test=rows, extra_tests={}, env=Env), tokenizer, 12)
+    assert reach == 4 + 20 + 12
+    params = ({"rope_type": "dynamic", "factor": 4.0} if rope_type == "dynamic" else
+              {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+               "original_max_position_embeddings": reach})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, pad_token_id=tokenizer.pad_token_id, initializer_range=0.2,
+        max_position_embeddings=reach if rope_type == "dynamic" else 4 * reach,
+        rope_parameters={"rope_theta": 10000.0, **params})).eval()
+    check_forward(model, "m", reach)
+    out = multi_turn_rollout(model, tokenizer, [Env("xxxxxxx"), Env("")], ["abcd"] * 2, [(0, 0), (0, 1)], 12, 1.0,
+                             [10**6], "cpu")
+    with torch.no_grad():
+        logps, _ = token_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids, out.attention_mask)
+    m = out.completion_mask.bool()
+    assert ((logps - out.logprobs).abs() * m).max() < 1e-4

@@ -106,12 +106,14 @@ def test_seq_tis_truncates_the_product_of_a_sequences_weights_on_every_token():
     assert stats["capped"].item() == 3 and stats["masked"].item() == 0
 
 
-def test_seq_mis_drops_a_sequence_whose_weight_exceeds_c_and_trains_the_rest_unweighted():
+def test_seq_mis_drops_a_sequence_whose_weight_leaves_its_band_and_trains_the_rest_unweighted():
     loss, grad, stats = loss_of("seq-mis", seq_cap=2.0)
     assert loss == pytest.approx(-(-1 - 1) / N)
     assert grad == pytest.approx([0.0] * 3 + [1.0 / N] * 2 + [0.0])
     assert stats["masked"].item() == 3 and stats["masked_seqs"].item() == 1
-    assert loss_of("seq-mis", seq_cap=3.0)[2]["masked"].item() == 0  # W = 2.64 < 3: nothing dropped
+    assert loss_of("seq-mis", seq_cap=3.0)[2]["masked"].item() == 0  # W = 2.64 < 3, 0.8 > 1/3: nothing dropped
+    _, grad, stats = loss_of("seq-mis", seq_cap=1.2)  # verl's lower bound 1/C: 0.8 < 1/1.2 drops row 1 too
+    assert stats["masked_seqs"].item() == 2 and grad == pytest.approx([0.0] * 6)
 
 
 def test_the_vcpo_loss_weights_each_sequence_by_its_truncated_weight_and_clips_no_ratio():
@@ -125,35 +127,40 @@ def test_the_vcpo_loss_weights_each_sequence_by_its_truncated_weight_and_clips_n
     assert g[0, 0].item() == pytest.approx(-2.64 * math.exp(0.5) / N) and stats["clip_high"].item() == 0
 
 
-def test_vcpo_baseline_weights_are_the_squared_score_gradient_norms_of_the_models_own_forward(tiny_model, tokenizer):
-    """b_g = sum W^2 |grad log pi(y|x)|^2 R / sum W^2 |grad log pi(y|x)|^2 with the norms recomputed here through the
-    model's own forward, row by row; A = (R - b_g) / (std_g + 1e-4); the lr factor sqrt(ESS / B)."""
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean"])
+def test_vcpo_baseline_weights_are_the_squared_norms_of_the_models_own_score_gradients(tiny_model, tokenizer, loss_agg):
+    """b_g = sum W^2 |h|^2 R / sum W^2 |h|^2, h = grad log pi(y|x) as the loss applies it (/|y| under seq-mean-token-mean),
+    the norms recomputed here through the model's own forward, row by row; A = (R - b_g) / (std_g + 1e-4); the lr factor
+    sqrt(ESS / B); a group whose rewards are all equal keeps A = 0 exactly."""
     from common.rollout import rollout
 
-    prompts = ["123>", "123>", "45>", "45>"]
-    out = rollout(tiny_model, tokenizer, prompts, [(0, i) for i in range(4)], 5, 1.0, [tokenizer.eos_token_id], "cpu")
-    out.logprobs = out.logprobs - torch.tensor([[0.3], [-0.2], [0.0], [0.5]]) * out.completion_mask  # a stale mu
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    args = async_grpo.Args(num_generations=2, max_new_tokens=5)
+    prompts = ["123>", "123>", "45>", "45>", "67>", "67>"]
+    out = rollout(tiny_model, tokenizer, prompts, [(0, i) for i in range(6)], 5, 1.0, [tokenizer.eos_token_id], "cpu")
+    out.logprobs = out.logprobs - torch.tensor([[0.3], [-0.2], [0.0], [0.5], [0.1], [0.2]]) * out.completion_mask  # stale mu
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.7, 0.7])
+    args = async_grpo.Args(num_generations=2, max_new_tokens=5, loss_agg=loss_agg)
     advantages, stats = async_grpo.vcpo_advantages(tiny_model.train(), out, rewards, True, args)
     params = [p for p in tiny_model.parameters() if p.requires_grad]
     norms, log_W = [], []
-    for i in range(4):
+    for i in range(6):
         x = out.prompt_ids[i][out.prompt_mask[i].bool()]
         y = out.completion_ids[i][out.completion_mask[i].bool()]
         logits = tiny_model(input_ids=torch.cat([x, y])[None]).logits[0, len(x) - 1 : -1]
         logps = torch.log_softmax(logits.float(), -1).gather(-1, y[:, None])[:, 0]
-        norms.append(sum(g.pow(2).sum() for g in torch.autograd.grad(logps.sum(), params, allow_unused=True) if g is not None))
+        score = logps.mean() if loss_agg == "seq-mean-token-mean" else logps.sum()
+        norms.append(sum(g.pow(2).sum() for g in torch.autograd.grad(score, params, allow_unused=True) if g is not None))
         log_W.append((logps.detach() - out.logprobs[i][out.completion_mask[i].bool()]).sum())
-    weight = torch.exp(2 * torch.stack(log_W)) * torch.stack(norms)
+    capped = torch.stack(log_W).clamp(max=math.log(8.0))  # row 3's W = e^2.5 = 12 > 8: the weight the loss applies
+    assert torch.stack(log_W).max() > math.log(8.0)
+    weight = torch.exp(2 * capped) * torch.stack(norms)
     for g in (0, 1):
         rows = slice(2 * g, 2 * g + 2)
         b = (weight[rows] * rewards[rows]).sum() / weight[rows].sum()
         expected = (rewards[rows] - b) / (rewards[rows].std() + 1e-4)
         assert advantages[rows].tolist() == pytest.approx(expected.tolist(), rel=1e-3, abs=1e-5)
+    assert advantages[4:].tolist() == [0.0, 0.0]  # 0.7 and 0.7: no signal, whatever the weights' rounding
     W_ = torch.exp(torch.stack(log_W))
-    assert stats["offpolicy/vcpo_lr_scale"] == pytest.approx(math.sqrt(W_.sum() ** 2 / (4 * (W_**2).sum())), rel=1e-4)
-    assert 0 < stats["offpolicy/vcpo_baseline_shift"] < 1
+    assert stats["offpolicy/vcpo_lr_scale"] == pytest.approx(math.sqrt(W_.sum() ** 2 / (6 * (W_**2).sum())), rel=1e-4)
 
 
 def test_vcpo_scales_the_steps_learning_rate_and_restores_it(tmp_path, monkeypatch):
@@ -234,6 +241,22 @@ def test_the_value_warm_up_trains_the_critic_alone(tiny_model, tokenizer):
     ppo.optimise(model, optimizer, Accelerator(cpu=True), batch, old_logps, old_values * mask, advantages, returns, args,
                  step=2)
     assert not all(torch.equal(before[k], model.state_dict()[k]) for k in before if k.startswith("policy."))
+
+
+def test_the_critic_learns_at_its_own_rate_and_the_warm_up_runs_in_two_processes(tmp_path):
+    """--vf-lr: the critic's parameter group (value head) steps at it, the policy's at --lr; --value-warmup-steps with
+    two processes (DDP reduces every gradient: the policy's terms stay in the warm-up's graph at weight 0)."""
+    from conftest import launch_two_processes
+
+    ppo.main(small_args(ppo, tmp_path, steps=1, prompts_per_step=16, num_generations=1, minibatches=2, eval_every=0,
+                        vf_lr=1e-2))
+    state = torch.load(next((tmp_path / "run" / "checkpoints").glob("step_*")) / "state.pt", weights_only=False)
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [1e-4, 1e-2]
+    out = launch_two_processes("ppo.py", "--steps", "2", "--prompts-per-step", "16", "--num-generations", "1",
+                               "--minibatches", "1", "--ppo-epochs", "2", "--value-warmup-steps", "1", "--eval-every", "0",
+                               "--eval-prompts", "8", "--device", "cpu", "--output-dir", str(tmp_path), "--run-name", "ddp")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [r["value/warmup"] for r in read_metrics(tmp_path / "ddp")[1:]] == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("overrides, message", [

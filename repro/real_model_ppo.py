@@ -60,11 +60,14 @@ ARMS = {  # name: ppo.py flags on top of the recipe's
     "epochs4_lam1": ["--ppo-epochs", "4", "--minibatches", "1", "--lam", "1.0", "--gradient-checkpointing"],
     # issue 53, VC-PPO (Yuan et al. 2025): one step a batch at the actor's lam 0.95 with the critic's returns at lam 1
     # (decoupled GAE) and 4 batches of the initial policy training the critic alone first (value warm-up), 44 steps so
-    # that the policy takes the 40 updates of the arms it is compared with; and each part alone (probes)
+    # that the policy takes the 40 updates of the arms it is compared with, the critic at 10x the actor's lr (as verl's
+    # PPO recipes set it: at the actor's 1e-5 the value head's explained variance stays near 0 for 12 steps, so a
+    # warm-up of 4 would move it little); and each part alone (probes)
     "equal_vcppo": ["--ppo-epochs", "1", "--minibatches", "1", "--critic-lam", "1.0", "--value-warmup-steps", "4",
-                    "--steps", "44"],
-    "equal_critic_lam1": ["--ppo-epochs", "1", "--minibatches", "1", "--critic-lam", "1.0"],
-    "equal_warmup": ["--ppo-epochs", "1", "--minibatches", "1", "--value-warmup-steps", "4", "--steps", "44"],
+                    "--steps", "44", "--vf-lr", "1e-4"],
+    "equal_critic_lam1": ["--ppo-epochs", "1", "--minibatches", "1", "--critic-lam", "1.0", "--vf-lr", "1e-4"],
+    "equal_warmup": ["--ppo-epochs", "1", "--minibatches", "1", "--value-warmup-steps", "4", "--steps", "44",
+                     "--vf-lr", "1e-4"],
 }
 
 

@@ -143,8 +143,8 @@ FINDINGS = [
             Comparison(CHAIN_PARTIAL, CHAIN_OUTCOME, SEEDS, REGISTERED),
             Comparison(S_STEPWISE, S_K0, (0, 1), REGISTERED, unpaired=EARLIER)),
     Finding("vcppo_vs_lam095", "VC-PPO against PPO at lam 0.95",
-            "ppo.py at one step a batch with decoupled GAE (critic lam 1) and 4 batches of value warm-up against lam "
-            "0.95 alone",
+            "ppo.py at one step a batch with decoupled GAE (critic lam 1), 4 batches of value warm-up, the critic at "
+            "10x the lr, against lam 0.95 alone",
             "not asked on the embedded job (issue 53: SmolLM2's collapse)",
             Comparison(S_VCPPO, S_PPO, FOUR, "2026-12-07", unpaired=EARLIER)),
     Finding("vcppo_vs_lam1", "VC-PPO against PPO at lam 1",
@@ -194,10 +194,12 @@ class Probe:
 
 
 PROBES = [
-    Probe("critic_lam1_alone", "ppo.py at one step a batch, lam 0.95, the critic's returns at lam 1 (decoupled GAE alone)",
+    Probe("critic_lam1_alone", "ppo.py at one step a batch, lam 0.95, the critic's returns at lam 1 and 10x the lr (decoupled "
+          "GAE alone)",
           Arm("python repro/real_model_ppo.py --arms equal_critic_lam1 --seeds {seed}",
               "repro_real_model_ppo/equal_critic_lam1_s{seed}.jsonl"), (0, 1), "2026-12-07"),
-    Probe("warmup_alone", "ppo.py at one step a batch, lam 0.95, 4 batches of value warm-up (warm-up alone)",
+    Probe("warmup_alone", "ppo.py at one step a batch, lam 0.95, 4 batches of value warm-up, the critic at 10x the lr "
+          "(warm-up alone)",
           Arm("python repro/real_model_ppo.py --arms equal_warmup --seeds {seed}",
               "repro_real_model_ppo/equal_warmup_s{seed}.jsonl"), (0, 1), "2026-12-07"),
     Probe("seq_tis_k4", "async_grpo.py at K = 4 with seq-tis (sequence weight truncated at 2)",

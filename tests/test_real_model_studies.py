@@ -52,6 +52,7 @@ def test_ppo_arms_get_the_grpo_recipes_setting_and_differ_only_in_what_their_nam
         warmup = 4 if arm.endswith(("vcppo", "warmup")) else 0  # VC-PPO's value warm-up: batches the policy does not take
         assert (args.value_warmup_steps, args.steps) == (warmup, recipe.steps + warmup), arm  # 40 policy updates
         assert args.critic_lam == (1.0 if arm.endswith(("vcppo", "critic_lam1")) else None), arm
+        assert args.vf_lr == (10 * recipe.lr if arm.endswith(("vcppo", "critic_lam1", "warmup")) else None), arm
         assert args.lr == pytest.approx(recipe.lr * (16 if arm.endswith("lr16x") else 1)), arm
         assert recipe.beta == 0 and args.kl_coef == 0 and args.no_eos_penalty is None
         steps = 16 if arm.startswith("defaults") else 4 if arm.startswith(("minibatches4", "epochs4")) else 1

@@ -210,6 +210,30 @@ PROBES = [
               "repro_real_model_staleness/K4_seq_mis_s{seed}.jsonl"), (0, 1), "2026-12-07"),
 ]
 
+@dataclass(frozen=True)
+class Warning:
+    """Which per-step diagnostic warns of a collapse before its onset: thresholds set on the embedded job's healthy
+    runs, then scored on the embedded runs and on every SmolLM2 run of the staleness study (repro/findings.py)."""
+    key: str
+    title: str
+    question: str
+    embedded: tuple[Arm, ...]
+    """the embedded runs scored (and whose runs without an onset set the thresholds)"""
+    seeds: tuple[int, ...]
+    smollm2: tuple[str, ...]
+    """globs of the SmolLM2 logs scored, under repro/results/logs/"""
+    registered: str
+
+
+K8_FAST = Arm("python async_grpo.py --mode emulated --max-staleness 8 --correction none --lr 2e-3 --steps 100 --seed {seed}",
+              E + "async_K8_none_lr2e-3_s{seed}.jsonl.gz")  # async_early_warning.py's collapse setting
+WARNING = Warning(
+    "early_warning", "Early warning of a collapse",
+    "which per-step diagnostic crosses a threshold set on the embedded job's healthy runs before a collapse's onset "
+    "(read from training length and reward)",
+    (GRPO, K2, K4, K4_TIS, K8_FAST), SEEDS,
+    ("repro_real_model_staleness/*.jsonl", "repro_real_model_recipe/shaped_lr1e-5_s*.jsonl"), REGISTERED)
+
 # Logs no arm claims, each with its reason.
 EXCLUDED = {
     "bench_study_run/*": "timing benchmark (benchmarks/study_run.py): K = 0 seed 2 rerun before and after a speed-up, "

@@ -14,7 +14,6 @@ wall time per decode step beside them. Writes benchmarks/results/decode_profile.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -42,12 +41,15 @@ class Args:
 
 
 def prompts(n: int) -> list[str]:
+    """The first n held-out word problems as the recipe's runs prompt them (the gsm8k task's format)."""
     from common import word_problems
+    from common.tasks import load_task
 
-    path = ROOT / "data" / "word_problems" / "test.jsonl"
-    if not path.exists():
-        word_problems.write(path.parent)
-    return [json.loads(line)["prompt"] for line in path.read_text().splitlines()[:n]]
+    folder = ROOT / "data" / "word_problems"
+    if not (folder / "test.jsonl").exists():
+        word_problems.write(folder)
+    task = load_task("gsm8k", str(folder / "train.jsonl"), str(folder / "test.jsonl"))
+    return list(task.test["prompt"][:n])
 
 
 def part(name: str, in_draw: bool) -> str:

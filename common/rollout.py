@@ -23,9 +23,10 @@ from common.sampling import (Rollout, _accepts, base_model, completion_mask, dis
 
 
 def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], max_new_tokens: int,
-            temperature: float, eos_ids: list[int], device, envs: list | None = None,
+            temperature: float | list[float], eos_ids: list[int], device, envs: list | None = None,
             batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0, engine=None) -> Rollout:
-    """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]. With
+    """One completion per prompt (repeat a prompt G times for a group), row b seeded by keys[b]; temperature one for all
+    rows, or a list of each row's (single-turn, no engine: greedy rows at 0 beside sampled ones). With
     envs (a multi-turn task, task.envs(answers)): one trajectory per env, common/multiturn.py. With
     batch_size, rows are sampled batch_size at a time (less memory); each row draws its own noise, so the
     tokens are those of one pass, up to rounding (common/sampling.py's docstring). With an engine (--engine vllm,
@@ -34,7 +35,8 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
         return engine.rollout(tokenizer, prompts, keys, max_new_tokens, temperature, eos_ids, device, top_k, top_p)
     if batch_size is not None and len(prompts) > batch_size:
         return concat_rollouts([rollout(model, tokenizer, prompts[i : i + batch_size], keys[i : i + batch_size],
-                                        max_new_tokens, temperature, eos_ids, device,
+                                        max_new_tokens, temperature[i : i + batch_size] if isinstance(temperature, list)
+                                        else temperature, eos_ids, device,
                                         envs[i : i + batch_size] if envs is not None else None, top_k=top_k, top_p=top_p)
                                 for i in range(0, len(prompts), batch_size)], tokenizer.pad_token_id)
     if envs is not None:
@@ -42,7 +44,10 @@ def rollout(model, tokenizer, prompts: list[str], keys: list[tuple[int, ...]], m
             return multi_turn_rollout(model, tokenizer, envs, prompts, keys, max_new_tokens, temperature, eos_ids, device,
                                       top_k, top_p)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    uniforms = row_uniforms(keys, max_new_tokens, device) if temperature > 0 else None
+    if isinstance(temperature, list):  # one value for every row (a chunk of greedy rows alone, say): a float
+        temperature = temperature[0] if len(set(temperature)) == 1 else torch.tensor(temperature, device=device)
+    stochastic = bool((temperature > 0).any()) if torch.is_tensor(temperature) else temperature > 0
+    uniforms = row_uniforms(keys, max_new_tokens, device) if stochastic else None
     was_training = model.training
     model.eval()
     with full_parameters(model):
@@ -528,7 +533,9 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
                   eos_ids: list[int], device, seed: int, batch_size: int | None = None, top_k: int = 0, top_p: float = 1.0,
                   memo: tuple[str, str] | None = None):
     """The evaluation's completions of data's rows idx, scored: n samples each with keys (seed, EVAL_KEY, row,
-    sample), the same draws at every evaluation and for every model, and one greedy completion each. Returns the
+    sample), the same draws at every evaluation and for every model, and one greedy completion each (single-turn,
+    untruncated: in one batch with the samples, each row at its own temperature; the same tokens as two passes up to
+    rounding, for less than the greedy pass's own decoding: a larger batch's products run nearer their rate). Returns the
     sampled Rollout (row-major: a prompt's n samples together), their rewards and successes, and the greedy
     completions' successes. With memo = (directory, model_digest) the two Rollouts of a single-turn task are kept in
     that directory under the hash of the digest and this call's arguments, and reused (every arm of a study evaluates
@@ -539,6 +546,11 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
     keys = [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)]
 
     def sample_both() -> tuple[Rollout, Rollout]:
+        if task.envs(answers[:1]) is None and top_k == 0 and top_p == 1.0:  # single-turn: the greedy rows ride along
+            both = rollout(model, tokenizer, [*(p for p in prompts for _ in range(n)), *prompts],
+                           [*keys, *[(0,)] * len(prompts)], max_new_tokens, [temperature] * len(keys) + [0.0] * len(prompts),
+                           eos_ids, device, None, batch_size)
+            return select_rows(both, list(range(len(keys)))), select_rows(both, list(range(len(keys), len(both.texts))))
         sampled = rollout(model, tokenizer, [p for p in prompts for _ in range(n)], keys, max_new_tokens, temperature,
                           eos_ids, device, task.envs(repeated), batch_size, top_k, top_p)
         greedy = rollout(model, tokenizer, prompts, [(0,)] * len(prompts), max_new_tokens, 0.0, eos_ids, device,

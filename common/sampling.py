@@ -261,10 +261,11 @@ LEAVE_BATCH = 0.25  # ended rows leave the decoding batch once they are a quarte
 DRAW_BYTES = 2**23  # the next token is drawn for rows whose logits fill at most 8 MB at a time (see draw)
 
 
-def draw(scores: torch.Tensor, temperature: float, top_k: int, top_p: float, uniforms: torch.Tensor | None,
+def draw(scores: torch.Tensor, temperature: float | torch.Tensor, top_k: int, top_p: float, uniforms: torch.Tensor | None,
          head=None, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's next token y ~ softmax(logits / temperature) truncated to top_k / top_p (argmax at temperature 0), by
-    inverse CDF with its uniform (B, 1), and its log-prob: (B, 1) each. scores are the last position's logits (B, V),
+    inverse CDF with its uniform (B, 1), and its log-prob: (B, 1) each; temperature a float, or a (B,) tensor of each
+    row's (0: that row greedy, its log-prob at temperature 1). scores are the last position's logits (B, V),
     or its hidden states (B, H) when head = output_layer(model) is given; index (B,) picks each row's scores (a group's
     rows share their prompt's). A few rows at a time: the (B, V) logits (79 MB at 400 rows) are never held, and the
     vocabulary-wide passes run on chunks that stay in the CPU's cache; each row's arithmetic is its own, so the draws
@@ -272,26 +273,34 @@ def draw(scores: torch.Tensor, temperature: float, top_k: int, top_p: float, uni
     B = len(index) if index is not None else len(scores)
     V = head[0].out_features if head is not None else scores.shape[-1]
     step = max(1, DRAW_BYTES // (4 * V))
+    per_row = torch.is_tensor(temperature)
     tokens, logps = [], []
     for i in range(0, B, step):
         x = scores[index[i : i + step]] if index is not None else scores[i : i + step]
         if head is not None:
             with torch.autocast(x.device.type, dtype=head[1]) if head[1] else nullcontext():
                 x = head[0](x)
-        logp = torch.log_softmax(truncate(x.float() / (temperature or 1.0), top_k, top_p), dim=-1)
+        scale = torch.where(temperature[i : i + step] > 0, temperature[i : i + step], 1.0)[:, None] if per_row else \
+            (temperature or 1.0)
+        logp = torch.log_softmax(truncate(x.float() / scale, top_k, top_p), dim=-1)
         if not torch.isfinite(logp.max(-1).values).all():  # NaN or inf logits: say so, do not sample garbage
             raise FloatingPointError("the model's logits are not finite while sampling: its weights have diverged")
-        token = logp.argmax(-1, keepdim=True) if temperature == 0 else inverse_cdf(logp, uniforms[i : i + step])
+        if per_row:  # greedy rows take the argmax, the others their draw
+            token = torch.where(temperature[i : i + step, None] == 0, logp.argmax(-1, keepdim=True),
+                                inverse_cdf(logp, uniforms[i : i + step]))
+        else:
+            token = logp.argmax(-1, keepdim=True) if temperature == 0 else inverse_cdf(logp, uniforms[i : i + step])
         tokens.append(token)
         logps.append(logp.gather(-1, token))
     return torch.cat(tokens), torch.cat(logps)
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float, eos_ids: list[int],
+def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | torch.Tensor, eos_ids: list[int],
            pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
            preallocate: bool = True, leave_batch: float | None = LEAVE_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample up to max_new_tokens per row; temperature 0 is greedy. Returns completion ids (B, T)
+    """Sample up to max_new_tokens per row; temperature 0 is greedy (a (B,) tensor: each row's, greedy rows beside sampled
+    ones in one batch, as an evaluation's greedy pass rides with its samples). Returns completion ids (B, T)
     with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
     truncated to top_k / top_p and renormalised. The KV cache is preallocated for the whole rollout
     (preallocated(); preallocate=False keeps transformers' growing cache). Rows that have ended leave the
@@ -326,9 +335,11 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     logprobs = torch.zeros(B, max_new_tokens, device=prompt_ids.device)
     rows = torch.arange(B, device=prompt_ids.device)  # the rows in the decoding batch, by their place in the output
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)  # of the rows in the batch: ended
+    per_row = torch.is_tensor(temperature)
     for t in range(max_new_tokens):
-        u = uniforms[rows, t : t + 1] if temperature != 0 else None
-        token, logp = draw(scores, temperature, top_k, top_p, u, head if t > 0 else None, index if t == 0 else None)
+        u = uniforms[rows, t : t + 1] if per_row or temperature != 0 else None
+        token, logp = draw(scores, temperature[rows] if per_row else temperature, top_k, top_p, u, head if t > 0 else None,
+                           index if t == 0 else None)
         live = rows[~done]  # a row that has ended writes nothing more: pad and log-prob 0 stay
         tokens[live, t], logprobs[live, t] = token[~done, 0], logp[~done, 0]
         done |= torch.isin(token[:, 0], eos)

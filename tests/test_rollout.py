@@ -275,24 +275,24 @@ def test_an_evaluation_cache_samples_the_base_model_once_and_misses_on_any_chang
         return {k: v for k, v in out.items() if not k.startswith("time/")}, len(calls)
 
     plain, sampled = run(cache=None)
-    assert sampled == 2  # the sampled and the greedy pass
+    assert sampled == 1  # one pass: the greedy rows ride with the samples
     first, sampled = run()
-    assert sampled == 2 and first == plain and len(list((tmp_path / "cache").iterdir())) == 1
+    assert sampled == 1 and first == plain and len(list((tmp_path / "cache").iterdir())) == 1
     again, sampled = run()
     assert sampled == 0 and again == plain  # loaded, scored again: the same numbers
-    assert run(seed=1)[1] == 2  # other draws
-    assert run(top_k=5)[1] == 2  # another sampling flag
-    assert run(task=load_task("reverse", num_test=5))[1] == 2  # other prompts
+    assert run(seed=1)[1] == 1  # other draws
+    assert run(top_k=5)[1] == 2  # another sampling flag (truncated samples: the greedy pass apart, untruncated)
+    assert run(task=load_task("reverse", num_test=5))[1] == 1  # other prompts
     chain = load_task("chain-2", num_test=3)
     assert run(task=chain)[1] == run(task=chain)[1] > 0  # multi-turn: sampled every time
-    assert run(policy=autocast_forward(load_model(path), "bfloat16"))[1] == 2  # float32 weights, bf16 forward
+    assert run(policy=autocast_forward(load_model(path), "bfloat16"))[1] == 1  # float32 weights, bf16 forward
     if torch.backends.mkldnn.is_available():  # the same weights, products by another kernel (equal up to rounding)
         from common.models import onednn_linears
 
-        assert run(policy=(lambda m: (onednn_linears(m, on=True), m)[1])(load_model(path).eval()))[1] == 2
+        assert run(policy=(lambda m: (onednn_linears(m, on=True), m)[1])(load_model(path).eval()))[1] == 1
     with torch.no_grad():
         next(model.parameters())[0, 0] += 1e-3
-    assert run()[1] == 2  # other weights
+    assert run()[1] == 1  # other weights
 
 
 def test_the_evaluation_cache_key_is_the_sampler_code_this_process_imported(tiny_model, tokenizer, monkeypatch):
@@ -300,3 +300,20 @@ def test_the_evaluation_cache_key_is_the_sampler_code_this_process_imported(tiny
     before = model_digest(tiny_model, tokenizer)
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "edited since")
     assert model_digest(tiny_model, tokenizer) == before
+
+
+def test_greedy_rows_ride_in_the_sampled_batch_and_draw_what_two_passes_draw(tiny_model, tokenizer):
+    """rollout with a temperature per row (the evaluation's samples at 1.0 and its greedy rows at 0, one batch): the sampled
+    rows' tokens are those of the sampled pass alone and the greedy rows' those of the greedy pass alone, up to
+    rounding; a greedy row's log-probs are at temperature 1, as the greedy pass records them."""
+    prompts, eos = ["123>", "4567>", "89>"], [tokenizer.eos_token_id]
+    keys = [(0, 7, i, j) for i in range(3) for j in range(2)]
+    sampled_prompts = [p for p in prompts for _ in range(2)]
+    both = rollout(tiny_model, tokenizer, sampled_prompts + prompts, keys + [(0,)] * 3, 10, [1.0] * 6 + [0.0] * 3, eos, "cpu")
+    sampled = rollout(tiny_model, tokenizer, sampled_prompts, keys, 10, 1.0, eos, "cpu")
+    greedy = rollout(tiny_model, tokenizer, prompts, [(0,)] * 3, 10, 0.0, eos, "cpu")
+    assert_same_samples(tiny_model, select_rows(both, list(range(6))), sampled, keys, 10)
+    assert_same_samples(tiny_model, select_rows(both, [6, 7, 8]), greedy, None, 10, temperature=0.0)
+    m = greedy.completion_mask.bool()
+    width = greedy.logprobs.shape[1]
+    assert torch.allclose(select_rows(both, [6, 7, 8]).logprobs[:, :width][m], greedy.logprobs[m], atol=1e-5)

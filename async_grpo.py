@@ -272,38 +272,31 @@ def check_args(args: Args, num_processes: int) -> None:
                               f"it was launched as {num_processes}: run it without `accelerate launch --num_processes`")
     check(args.num_generations >= 2, f"--num-generations must be at least 2 (got {args.num_generations}): "
                                      "a group needs two completions to have a baseline")
-    check(args.max_staleness >= 0, f"--max-staleness must be >= 0 (got {args.max_staleness})")
-    check(args.sync_every >= 1, f"--sync-every must be >= 1 (got {args.sync_every})")
+    for flag, value, low in (("max-staleness", args.max_staleness, 0), ("sync-every", args.sync_every, 1), ("beta", args.beta, 0),
+                             ("queue-size", args.queue_size, 1), ("generator-threads", args.generator_threads, 1),
+                             ("learner-threads", args.learner_threads, 1), ("tis-cap", args.tis_cap, 1), ("steps", args.steps, 1),
+                             ("num-iterations", args.num_iterations, 1), ("prompts-per-step", args.prompts_per_step, 1)):
+        check(value is None or value >= low, f"--{flag} must be >= {low} (got {value})")
     check(args.mode == "threaded" or (args.sync_every == 1 and not args.drop_stale),
           "--sync-every and --drop-stale apply to --mode threaded (emulated mode samples from exactly version t-1-K)")
     check(args.drop_stale or args.sync_every <= args.max_staleness + 1,
           f"--sync-every ({args.sync_every}) must be at most --max-staleness + 1 ({args.max_staleness + 1}): with "
           "weights published less often the paced generator could never start a batch within K versions")
-    check(args.queue_size >= 1, f"--queue-size must be >= 1 (got {args.queue_size})")
     check(args.generator_device is None or args.generator_device.startswith("cpu") or torch.cuda.is_available(),
           f"--generator-device {args.generator_device}: no CUDA device is available")
-    for flag, value in (("--generator-threads", args.generator_threads), ("--learner-threads", args.learner_threads)):
-        check(value is None or value >= 1, f"{flag} must be >= 1 (got {value})")
-    check(args.tis_cap >= 1, f"--tis-cap must be >= 1 (got {args.tis_cap})")
+    for flag, value in (("m2po-threshold", args.m2po_threshold), ("seq-cap", args.seq_cap), ("vcpo-cap", args.vcpo_cap),
+                        ("eps-high", args.eps_high), ("lr", args.lr), ("temperature", args.temperature)):
+        check(value > 0, f"--{flag} must be > 0 (got {value})")
     check(args.decoupled_cap is None or args.decoupled_cap >= 1, f"--decoupled-cap must be >= 1 (got {args.decoupled_cap})")
-    check(args.m2po_threshold > 0, f"--m2po-threshold must be > 0 (got {args.m2po_threshold})")
     check(0 <= args.icepop_low <= 1 <= args.icepop_high, f"--icepop-low and --icepop-high must satisfy 0 <= low <= 1 <= "
                                                          f"high (got {args.icepop_low}, {args.icepop_high})")
     check(args.seq_mask_cap > 1, f"--seq-mask-cap must be > 1 (got {args.seq_mask_cap})")
-    check(args.seq_cap > 0 and args.vcpo_cap > 0, f"--seq-cap and --vcpo-cap must be > 0 (got {args.seq_cap}, {args.vcpo_cap})")
     check(args.opsm_delta >= 0, f"--opsm-delta must be >= 0 (got {args.opsm_delta})")
     check(0 <= args.cispo_eps_low <= 1 and args.cispo_eps_high > 0, f"--cispo-eps-low must be in [0, 1] and --cispo-eps-high"
                                                                      f" > 0 (got {args.cispo_eps_low}, {args.cispo_eps_high})")
-    check(args.beta >= 0, f"--beta must be >= 0 (got {args.beta})")
     check(0 < args.eps_low < 1, f"--eps-low must be in (0, 1) (got {args.eps_low})")
-    check(args.eps_high > 0, f"--eps-high must be > 0 (got {args.eps_high})")
-    check(args.lr > 0, f"--lr must be > 0 (got {args.lr})")
-    check(args.temperature > 0, f"--temperature must be > 0 (got {args.temperature})")
     check(0 < args.top_p <= 1 and args.top_k >= 0, f"--top-p must be in (0, 1] and --top-k >= 0 (got {args.top_p}, {args.top_k})")
-    check(args.steps >= 1, f"--steps must be >= 1 (got {args.steps})")
-    check(args.num_iterations >= 1, f"--num-iterations must be >= 1 (got {args.num_iterations})")
     check(args.max_new_tokens is None or args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    check(args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1 (got {args.prompts_per_step})")
     check(1 <= args.minibatches <= args.prompts_per_step,
           f"--minibatches must be in [1, {args.prompts_per_step}] (micro-batches hold whole groups), got {args.minibatches}")
     check(args.microbatch_tokens is None or args.microbatch_tokens >= 1, "--microbatch-tokens must be >= 1")

@@ -20,7 +20,6 @@ import importlib.util
 import math
 import os
 import shutil
-import weakref
 from pathlib import Path
 from types import MethodType
 
@@ -190,24 +189,6 @@ class OneDNNLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
-PACKED = weakref.WeakKeyDictionary()  # layer -> (weight's version, data pointer, its oneDNN-packed copy)
-
-
-def packed_weight(layer) -> torch.Tensor:
-    """layer.weight in oneDNN's blocked layout, packed once for each version of the weight (an optimiser step, a load
-    of the weights makes a new version): a product without a gradient (sampling, the reference and pi_old's forwards)
-    then reads it as it is instead of reordering the plain weight at every call, 0.75-0.95x the time of a decode step's
-    products here. The same kernel on the same numbers. Held apart from the module (an opaque tensor does not pickle),
-    dropped with it; it costs a second copy of the linear weights' memory."""
-    w = layer.weight
-    key = (w._version, w.data_ptr())
-    cached = PACKED.get(layer)
-    if cached is None or cached[:2] != key:
-        cached = (*key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32))
-        PACKED[layer] = cached
-    return cached[2]
-
-
 def _onednn_forward(self, input: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward through oneDNN where it computes the same thing: float32 input and weights on a CPU, no
     autocast (which would run the product in bf16), plain tensors (not FSDP's sharded ones), a non-empty batch; any
@@ -219,7 +200,7 @@ def _onednn_forward(self, input: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, w, self.bias)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad)):
         return OneDNNLinear.apply(x, w, self.bias)
-    return _onednn(x, packed_weight(self), self.bias)
+    return _onednn(x, w, self.bias)
 
 
 def onednn_linears(model, on: bool | None = None) -> int:

@@ -114,36 +114,6 @@ def test_a_second_derivative_through_onednn_is_torchs():
     assert want.abs().max() > 1.0
 
 
-@ONEDNN
-def test_a_product_without_a_gradient_reads_the_packed_weight_of_the_weights_current_version():
-    """Sampling's products read the weight packed once in oneDNN's layout; an optimiser step (in place), an assignment
-    of the weight's data or a load of a state dict makes a new version, which is packed again: never a stale weight."""
-    from common.models import PACKED, onednn_linears
-
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 48)
-    onednn_linears(layer, on=True)
-    x = torch.randn(5, 64)
-
-    def check():
-        with torch.no_grad():
-            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-
-    check()
-    packed = PACKED[layer][2]
-    check()
-    assert PACKED[layer][2] is packed  # the same version: packed once
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
-    layer(x).sum().backward()
-    optimizer.step()
-    check()
-    assert PACKED[layer][2] is not packed
-    layer.weight.data = torch.randn(48, 64)
-    check()
-    layer.load_state_dict({"weight": torch.randn(48, 64), "bias": torch.zeros(48)})
-    check()
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_loaded_model_pickles_whole_and_loads_back_computing_the_same(dtype, tmp_path, monkeypatch):
     """torch.save(model) of a model as load_model sets it up (its linear layers' forward through oneDNN, the bf16

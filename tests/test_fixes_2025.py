@@ -75,16 +75,25 @@ def test_gapo_reads_the_same_sequence_ratio(monkeypatch):
     assert seen == ["sequence"]
 
 
+def micro_batches_take_the_one_batch_step(script, tmp_path, keys, **flags) -> list[dict]:
+    """Runs the script on one batch and in four micro-batches of whole groups; each step's `keys` agree. The one
+    batch's rows."""
+    script.main(small_args(script, tmp_path / "one", **flags))
+    script.main(small_args(script, tmp_path / "micro", minibatches=4, **flags))
+    one, micro = read_metrics(tmp_path / "one" / "run")[1:], read_metrics(tmp_path / "micro" / "run")[1:]
+    assert len(one) == len(micro) == flags["steps"]
+    for a, b in zip(one, micro):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    return one
+
+
 @pytest.mark.parametrize("level", ["sequence", "sequence-token"])
 def test_gspo_micro_batches_take_the_one_batch_step(tmp_path, level):
     """Two passes a batch (the second moves s_i): four micro-batches of whole groups take the one batch's steps."""
-    flags = dict(steps=2, eval_every=0, num_iterations=2, importance_level=level)
-    grpo.main(small_args(grpo, tmp_path / "one", **flags))
-    grpo.main(small_args(grpo, tmp_path / "micro", minibatches=4, **flags))
-    one, micro = read_metrics(tmp_path / "one" / "run")[1:], read_metrics(tmp_path / "micro" / "run")[1:]
-    for a, b in zip(one, micro):
-        for key in ("loss", "policy/grad_norm", "policy/ratio_max", "policy/clip_frac_high"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    one = micro_batches_take_the_one_batch_step(grpo, tmp_path, ("loss", "policy/grad_norm", "policy/ratio_max",
+                                                                  "policy/clip_frac_high"),
+                                                steps=2, eval_every=0, num_iterations=2, importance_level=level)
     assert one[-1]["policy/ratio_max"] != 1.0
 
 
@@ -178,14 +187,10 @@ def test_vcpo_scales_the_steps_learning_rate_and_restores_it(tmp_path, monkeypat
 
 @pytest.mark.parametrize("correction", ["seq-tis", "seq-mis", "vcpo"])
 def test_sequence_corrections_take_the_one_batch_step_in_micro_batches(tmp_path, correction):
-    flags = dict(steps=3, mode="emulated", max_staleness=2, correction=correction, eval_every=0, seq_cap=1.05,
-                 prompts_per_step=4)
-    async_grpo.main(small_args(async_grpo, tmp_path / "one", **flags))
-    async_grpo.main(small_args(async_grpo, tmp_path / "micro", minibatches=4, **flags))
-    one, micro = read_metrics(tmp_path / "one" / "run")[1:], read_metrics(tmp_path / "micro" / "run")[1:]
-    for a, b in zip(one, micro):
-        for key in ("loss", "policy/grad_norm", "offpolicy/mask_frac", "offpolicy/cap_frac"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    one = micro_batches_take_the_one_batch_step(async_grpo, tmp_path, ("loss", "policy/grad_norm", "offpolicy/mask_frac",
+                                                                        "offpolicy/cap_frac"),
+                                                steps=3, mode="emulated", max_staleness=2, correction=correction,
+                                                eval_every=0, seq_cap=1.05, prompts_per_step=4)
     if correction != "vcpo":
         assert any(r["offpolicy/mask_frac"] + r["offpolicy/cap_frac"] > 0 for r in one[1:])  # the correction acted
 

@@ -195,8 +195,8 @@ def test_sequence_corrections_take_the_one_batch_step_in_micro_batches(tmp_path,
         assert any(r["offpolicy/mask_frac"] + r["offpolicy/cap_frac"] > 0 for r in one[1:])  # the correction acted
 
 
-@pytest.mark.parametrize("overrides, message", [(dict(seq_cap=0.0), "--seq-cap and --vcpo-cap must be > 0"),
-                                                (dict(vcpo_cap=-1.0), "--seq-cap and --vcpo-cap must be > 0")])
+@pytest.mark.parametrize("overrides, message", [(dict(seq_cap=0.0), r"--seq-cap must be > 0 \(got 0.0\)"),
+                                                (dict(vcpo_cap=-1.0), r"--vcpo-cap must be > 0 \(got -1.0\)")])
 def test_async_grpo_refuses_a_cap_out_of_range(tmp_path, monkeypatch, overrides, message):
     monkeypatch.setattr(async_grpo, "load_policy", lambda *a, **k: pytest.fail("a model was built"))
     with pytest.raises(ConfigError, match=message):

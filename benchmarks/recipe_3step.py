@@ -13,7 +13,6 @@ for the comparison); the arms alternate `before`, `after`, round after round. Wr
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "repro"))
 from runner import cpu_model, git  # noqa: E402
-from study_run import Args as StudyArgs, flipped, grpo_flags  # noqa: E402
+from study_run import Args as StudyArgs, flipped, grpo_flags, read  # noqa: E402
 
 
 @dataclass
@@ -48,13 +47,15 @@ def run(arm: str, index: int, args: Args) -> dict:
     flags = [*grpo_flags(StudyArgs(steps=3, eval_every=3, eval_prompts=100)), "--output-dir", str(out), "--run-name", "run",
              "--eval-cache", str(out / "eval_cache")]
     cwd = Path(args.baseline).resolve() if arm == "before" else ROOT
+    out.mkdir(parents=True)
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "grpo.py", *flags], cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    with open(out / "stderr.log", "w") as err:  # a file, not a pipe: a child's progress bars could fill a pipe unread
+        proc = subprocess.Popen([sys.executable, "grpo.py", *flags], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
-        raise RuntimeError(f"{arm}: exited with status {status}: {proc.stderr.read().decode()[-500:]}")
-    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    result = {"arm": arm, "wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024, "rows": rows, "dir": out}
+        raise RuntimeError(f"{arm}: exited with status {status}: {(out / 'stderr.log').read_text()[-500:]}")
+    result = {"arm": arm, "wall_s": time.time() - t0, "peak_rss_mb": usage.ru_maxrss / 1024, "rows": read(out / "run"),
+              "dir": out}
     print(f"  {arm} round {index}: {result['wall_s']:.0f} s", flush=True)
     return result
 

@@ -544,9 +544,10 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
     prompts, answers = list(shard["prompt"]), list(shard["answer"])
     repeated = [a for a in answers for _ in range(n)]
     keys = [(seed, EVAL_KEY, i, j) for i in idx for j in range(n)]
+    single_turn = task.envs(answers[:1]) is None
 
     def sample_both() -> tuple[Rollout, Rollout]:
-        if task.envs(answers[:1]) is None and top_k == 0 and top_p == 1.0:  # single-turn: the greedy rows ride along
+        if single_turn and top_k == 0 and top_p == 1.0:  # the greedy rows (untruncated) ride along with the samples
             both = rollout(model, tokenizer, [*(p for p in prompts for _ in range(n)), *prompts],
                            [*keys, *[(0,)] * len(prompts)], max_new_tokens, [temperature] * len(keys) + [0.0] * len(prompts),
                            eos_ids, device, None, batch_size)
@@ -558,7 +559,7 @@ def eval_rollouts(model, tokenizer, task, data, idx: list[int], n: int, max_new_
         return sampled, greedy
 
     flags = (prompts, answers, keys, max_new_tokens, temperature, eos_ids, str(device), batch_size, top_k, top_p)
-    if memo is None or task.envs(answers[:1]) is not None:  # multi-turn: the environments' rewards ride along, not kept
+    if memo is None or not single_turn:  # multi-turn: the environments' rewards ride along, not kept
         sampled, greedy = sample_both()
     else:
         key = hashlib.sha256((memo[1] + repr(flags)).encode()).hexdigest()

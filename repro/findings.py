@@ -4,7 +4,8 @@
                                           # and each finding's table in repro/README.md (between their markers)
     python repro/findings.py --check      # exit 1, naming each difference: a doc that differs from what this would
                                           # write, a log no arm claims and no exclusion names, a pair whose runs differ
-                                          # in code or CPU without a registered reason
+                                          # in code or CPU without a registered reason, a reading stamped with fewer
+                                          # (or more) seeds than its tables now have
     python repro/findings.py --run k4 tis_k4 [--seeds 3 4 5] [--side smollm2]
                                           # the registered runs of those findings that have no kept log, one at a time
 
@@ -462,6 +463,37 @@ def first_difference(old: str, new: str) -> str:
     return f"line {n + 1}: {there[:80]!r} -> {would[:80]!r}"
 
 
+READING = re.compile(r"\s*Reading \(([^)]*)\):")
+
+
+def basis(f) -> str:
+    """What a reading under finding f stands on: each side's seeds with both runs (the early warning: its runs). A
+    reading is stamped with it ('Reading (6 embedded, 4 SmolLM2 seeds): ...'), so a run that lands after it was written
+    fails --check until someone reads it again against the new verdict: the prose cannot drift from the tables."""
+    if f is WARNING:
+        runs = warning_runs()
+        return f"{len(runs['embedded'])} embedded, {len(runs['SmolLM2'])} SmolLM2 runs"
+    sides = [f"{t.decision.n} {job}" for job, t in zip(("embedded", "SmolLM2"), tables_of(f)) if t is not None]
+    return ", ".join(sides) + " seeds"
+
+
+def stale_readings(repro: str) -> list[str]:
+    """Each finding whose reading (the paragraph after its generated block) is missing or stamped with another basis."""
+    problems = []
+    for f in [*FINDINGS, WARNING]:
+        end = markers(f)[1]
+        if end not in repro:
+            continue  # reported as a missing table
+        now, said = basis(f), READING.match(repro, repro.index(end) + len(end))
+        if said is None:
+            problems.append(f"repro/README.md: no reading under finding {f.key} (a paragraph 'Reading ({now}): ...' "
+                            f"after {end})")
+        elif said.group(1) != now:
+            problems.append(f"repro/README.md: the reading under finding {f.key} was written at '{said.group(1)}'; its "
+                            f"tables now stand on '{now}': read it again against the verdict and restamp it")
+    return problems
+
+
 def check() -> list[str]:
     """Every difference between the repository and what the registry and its logs say."""
     readme, repro = README.read_text(), REPRO_README.read_text()
@@ -472,6 +504,7 @@ def check() -> list[str]:
     if new_repro != repro:
         problems.append(f"repro/README.md: a finding's table differs from what `python repro/findings.py` writes "
                         f"({first_difference(repro, new_repro)})")
+    problems += stale_readings(repro)
     problems += [f"{name}: a kept log that no arm of repro/registry.py claims and EXCLUDED does not list"
                  for name in unclaimed()]
     for f in FINDINGS:

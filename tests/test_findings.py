@@ -86,3 +86,22 @@ def test_check_names_a_hand_edited_table(monkeypatch, tmp_path):
     problems = findings.check()
     assert any(p.startswith("README.md: its findings table differs from what `python repro/findings.py` writes (line ")
                and "| a row written by hand |" in p for p in problems), problems
+
+
+def test_check_names_a_reading_written_before_the_runs_its_tables_now_have(monkeypatch, tmp_path):
+    """A reading is stamped with the seeds it read ('Reading (6 embedded, 4 SmolLM2 seeds): ...'): a run landing after
+    it makes --check fail until the reading is read again, and a finding with no reading fails too."""
+    repro = findings.REPRO_README.read_text()
+    k4 = next(f for f in findings.FINDINGS if f.key == "k4")
+    end, now = findings.markers(k4)[1], findings.basis(k4)
+    assert f"{end}\n\nReading ({now}):" in repro  # on main: stamped with what its tables stand on
+    n = findings.tables_of(k4)[1].decision.n
+    older = now.replace(f"{n} SmolLM2", f"{n - 1} SmolLM2")
+    edited = tmp_path / "README.md"
+    edited.write_text(repro.replace(f"{end}\n\nReading ({now}):", f"{end}\n\nReading ({older}):", 1))
+    monkeypatch.setattr(findings, "REPRO_README", edited)
+    assert findings.check() == [f"repro/README.md: the reading under finding k4 was written at '{older}'; its tables "
+                                f"now stand on '{now}': read it again against the verdict and restamp it"]
+    edited.write_text(repro.replace(f"{end}\n\nReading ({now}):", f"{end}\n\nA paragraph:", 1))
+    assert findings.check() == [f"repro/README.md: no reading under finding k4 (a paragraph 'Reading ({now}): ...' "
+                                f"after {end})"]

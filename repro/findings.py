@@ -189,17 +189,18 @@ def crossing(rows: list[dict], key: str, direction: int, threshold: float) -> in
     return next((step for step, v in zip(*s) if direction * (v - threshold) > 0), None) if s else None
 
 
-def warning_runs() -> dict[str, list[tuple[str, list[dict], bool]]]:
-    """{job: [(name, metrics rows, whether it logs behaviour metrics)]} of the registered early-warning runs kept."""
-    embedded = [(arm.logs.format(seed=seed), read_kept(LOGS / arm.logs.format(seed=seed))[0]) for arm in WARNING.embedded
-                for seed in WARNING.seeds if (LOGS / arm.logs.format(seed=seed)).exists()]
-    real = sorted({p for g in WARNING.smollm2 for p in LOGS.glob(g)})
-    return {"embedded": embedded, "SmolLM2": [(p.relative_to(LOGS).as_posix(), read_kept(p)[0]) for p in real]}
+def warning_runs() -> dict[str, list[tuple[str, list[dict], int | None]]]:
+    """{job: [(name, metrics rows, its collapse's onset or None)]} of the registered early-warning runs kept (the onset
+    read once a run: every threshold asks it of every run)."""
+    paths = {"embedded": [LOGS / arm.logs.format(seed=seed) for arm in WARNING.embedded for seed in WARNING.seeds],
+             "SmolLM2": sorted({p for g in WARNING.smollm2 for p in LOGS.glob(g)})}
+    return {job: [(p.relative_to(LOGS).as_posix(), rows, onset(rows)) for p in found if p.exists()
+                  for rows in [read_kept(p)[0]]] for job, found in paths.items()}
 
 
-def threshold(runs: list[tuple[str, list[dict]]], key: str, direction: int) -> float | None:
+def threshold(runs: list[tuple[str, list[dict], int | None]], key: str, direction: int) -> float | None:
     """The healthy runs' extreme of the smoothed diagnostic (behaviour metrics: stale runs only, constant at K = 0)."""
-    values = [v for name, rows in runs if onset(rows) is None and (s := series(rows, key))
+    values = [v for name, rows, start in runs if start is None and (s := series(rows, key))
               and not (key in ON_POLICY and not any("offpolicy/behaviour_kl" in r for r in rows)) for v in s[1]]
     return (max(values) if direction > 0 else min(values)) if values else None
 
@@ -213,12 +214,11 @@ def warning_scores() -> dict:
         result = {"threshold": limit}
         for job, job_runs in runs.items():
             warned, collapses, alarms, healthy = [], 0, 0, 0
-            for name, rows in job_runs:
+            for name, rows, start in job_runs:
                 if series(rows, key) is None or limit is None:
                     continue
                 if key in ON_POLICY and not any("offpolicy/behaviour_kl" in r for r in rows):
                     continue  # K = 0: the behaviour metrics are constant
-                start = onset(rows)
                 if start is not None:
                     collapses += 1
                     crossed = crossing(rows, key, direction, limit)
@@ -275,9 +275,8 @@ def warning_block() -> str:
                          + (" (warns)" if warns(j) else ""))
         limit = "–" if sc["threshold"] is None else f"{sc['threshold']:.3g}"
         lines.append(f"| {key} | {limit} | {cells[0]} | {cells[1]} |")
-    onsets = {job: [(n, onset(r)) for n, r in rs] for job, rs in runs.items()}
-    for job, items in onsets.items():
-        collapsed = [f"{Path(n).name.split('.')[0]} (step {o})" for n, o in items if o is not None]
+    for job, items in runs.items():
+        collapsed = [f"{Path(n).name.split('.')[0]} (step {o})" for n, _, o in items if o is not None]
         lines += ["", f"{job}: {len(items)} runs, onsets: {', '.join(collapsed) if collapsed else 'none'}."]
     lines += ["", f"Verdict: **{warning_cells(scores)[2]}**."]
     return "\n".join(lines)

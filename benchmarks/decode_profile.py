@@ -14,6 +14,7 @@ wall time per decode step beside them. Writes benchmarks/results/decode_profile.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from common.models import eos_token_ids, load_model, load_tokenizer, resolve_mod
 from common.sampling import encode_prompts, row_uniforms, sample
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "repro"))
+from runner import cpu_model  # noqa: E402
+
 PRODUCTS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
 ATTENTION = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_attention_math")
@@ -102,7 +106,7 @@ def main(args: Args) -> None:
                "greedy": (problems[: args.eval_prompts], 0.0)}
     lines = [f"`python benchmarks/decode_profile.py --eval-prompts {args.eval_prompts} --max-new-tokens "
              f"{args.max_new_tokens}`: SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads, "
-             f"{open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}", "",
+             f"{cpu_model()}", "",
              "| batch | rows | decode steps | wall (s) | ms a step | products | attention | draw | rest |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name in args.batches:

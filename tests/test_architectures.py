@@ -219,8 +219,8 @@ def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_c
     model = tiny_model("llama")  # 4 query heads on 2 key/value heads
     batch = groups(96)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])  # restored after the test
-    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True)  # no packing: repeat_kv
-    monkeypatch.delattr(sdpa_attention, "pack_gqa")
+    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)  # no packing: repeat_kv
+    monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)  # (a release without it has nothing to close)
     calls = decode_attention_calls(monkeypatch)
     tokens, logps = sample(model, batch.prompt_ids, batch.prompt_mask, 4, 0.0, [], 0)
     assert calls and all(c == (2, 2, 2) for c in calls)  # 2 key/value heads, their 2 query heads as 2 positions
@@ -232,10 +232,34 @@ def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_c
     assert torch.equal(tokens, copied) and torch.allclose(logps, copied_logps, atol=1e-5)  # the same numbers
 
 
+def test_the_decode_attention_on_key_value_heads_is_transformers_own_on_every_mask_and_leaves_it_the_rest():
+    """4 query heads on 2 key/value heads, one query position: boolean, additive, per-head and per-head-shared-by-
+    the-batch masks give transformers' own attention; a paged cache (transformers' own batched generation) and a
+    prompt go to transformers' function untouched."""
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g), torch.randn(3, 2, 6, 8, generator=g)
+    padded = torch.ones(3, 1, 1, 6, dtype=torch.bool)
+    padded[0, ..., :2] = False
+    masks = [padded, torch.where(padded, 0.0, float("-inf")), torch.rand(3, 4, 1, 6, generator=g) > 0.3,
+             torch.randn(1, 4, 1, 6, generator=g)]
+    own, ours = sdpa_attention.sdpa_attention_forward, gqa_decoding(sdpa_attention.sdpa_attention_forward)
+    for mask in masks:
+        assert torch.allclose(ours(module, q, k, v, mask, scaling=0.3)[0], own(module, q, k, v, mask, scaling=0.3)[0],
+                              atol=1e-6)
+    passed = gqa_decoding(lambda *args, **kwargs: ("transformers'", kwargs))
+    assert passed(module, q, k, v, padded, cache=object())[0] == "transformers'"
+    assert passed(module, torch.randn(3, 4, 6, 8), k, v, padded)[0] == "transformers'"
+
+
 def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_forward(monkeypatch):
     """gqa_decoding serves only where the installed transformers lacks pack_gqa; forced here over this release's own
-    SDPA, every family that is not refused samples as its own forward scores, and the GQA families' decode steps went
-    through it (their query heads as query positions: more than one at a decode step)."""
+    SDPA with its packing path closed (as in the test above), every family that is not refused samples as its own
+    forward scores, and in the GQA families a decode step's query heads reached SDPA as query positions: only
+    gqa_decoding puts them there."""
+    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)
+    monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", gqa_decoding(ALL_ATTENTION_FUNCTIONS["sdpa"]))
     installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
     serve_gqa_decoding()

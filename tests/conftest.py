@@ -125,16 +125,22 @@ def assert_runs_match(a_dir, b_dir, rel: float = 1e-4, abs_: float = 1e-5, atol:
         assert x.keys() == y.keys(), f"step {x.get('step')}: keys differ by {sorted(x.keys() ^ y.keys())}"
         for key in x:
             assert x[key] == pytest.approx(y[key], rel=rel, abs=abs_), f"step {x.get('step')}: {key}"
-    sa, sb = latest_weights(a_dir).state_dict(), latest_weights(b_dir).state_dict()
-    assert sa.keys() == sb.keys()
-    worst = max(sa, key=lambda k: (sa[k].float() - sb[k].float()).abs().max().item())
-    assert torch.allclose(sa[worst], sb[worst], rtol=0, atol=atol), \
-        f"weights: {worst} differs by {(sa[worst].float() - sb[worst].float()).abs().max().item():.3g} (atol {atol})"
+    wa, wb = latest_weights(a_dir), latest_weights(b_dir)
+    assert state_dicts_equal(wa, wb, atol=atol), f"weights: {largest_difference(wa, wb)} (atol {atol})"
 
 
 def state_dicts_equal(a, b, atol: float = 0.0) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.allclose(sa[k], sb[k], rtol=0, atol=atol) for k in sa)
+
+
+def largest_difference(a, b) -> str:
+    """Where two models' weights differ most (for a failure's message)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return f"other tensors: {sorted(sa.keys() ^ sb.keys())}"
+    worst = max(sa, key=lambda k: (sa[k].float() - sb[k].float()).abs().max().item())
+    return f"{worst} differs by {(sa[worst].float() - sb[worst].float()).abs().max().item():.3g}"
 
 
 def assert_ctrl_c_checkpoints_and_exits_130(script: str, run_dir: Path, steps: int = 2, sig=signal.SIGINT) -> None:

@@ -353,7 +353,8 @@ def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str
     left-padded, completions right-padded, a prompt's completions sharing it: check_lengths, up to the run's reach): the
     largest |log-prob difference| of (train) the training forward, token_logprobs in training mode (the prompts
     shared through the KV cache, the output layer applied apart where head_is_last), and of (sampler) the sampler's
-    behaviour log-probs (prompts shared, the preallocated cache, ended rows leaving the batch), each against
+    behaviour log-probs (prompts shared, the preallocated cache with each row's copy of its prompt and with each prompt
+    held once, ended rows leaving the batch), each against
     log_softmax of the model's own forward of each row alone, unpadded and uncached. In float32, bf16 autocast set
     aside and bf16 or fp16 weights (--pure-dtype) cast to float32 for the check and back (exact both ways): what is
     checked is the arithmetic postrl replaces, not the rounding of a 16-bit forward, which differs between the model's
@@ -384,14 +385,16 @@ def forward_mismatch(model, seed: int = 0, reach: int | None = None) -> dict[str
             uniforms = torch.rand(len(prompts[0]), steps, generator=g).to(device)
             # a sixth of the ids end a row (rows leave the batch); at the reach none does: every row decodes to the reach
             eos = list(range(low, low + max(1, (high - low) // 6))) if sampler_lengths is None else []
-            sampled, behaviour = sample(model, *prompts, steps, 1.0, eos, 0, uniforms)
-            ended = completion_mask(sampled, eos)[0]
-            reference, reference_sampled = own(*batch), own(*prompts, sampled, ended)
+            reference, sampler = own(*batch), []
+            for once in (None, 0):  # each row's copy of its prompt (a small batch), each prompt held once (a large one)
+                sampled, behaviour = sample(model, *prompts, steps, 1.0, eos, 0, uniforms, shared_prompt_rows=once)
+                ended = completion_mask(sampled, eos)[0]
+                sampler.append((behaviour.float() * ended - own(*prompts, sampled, ended)).abs().max().item())
     finally:
         model.train(was_training)
     m = batch[3].bool()
     return {"train": (train[m].float() - reference[m]).abs().max().item(),
-            "sampler": (behaviour.float() * ended - reference_sampled).abs().max().item()}
+            "sampler": max(sampler) if all(d == d for d in sampler) else float("nan")}  # NaN stays NaN
 
 
 @contextmanager

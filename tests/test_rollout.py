@@ -192,6 +192,119 @@ def test_a_preallocated_kv_cache_samples_what_the_growing_cache_does(tiny_model,
     assert len(made) == tiny_model.config.num_hidden_layers  # one buffer per layer, for the second run only
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_large_batch_holds_each_prompt_once_and_samples_what_each_rows_copy_samples(tiny_model, tokenizer, temperature,
+                                                                                      monkeypatch):
+    """With each prompt held once (shared_prompt_rows reached: 0 here), a decode step's attention reads a group's
+    prompt once for its rows (prompt_once in every layer) instead of each row's copy: the same tokens and log-probs up to
+    rounding, with rows ending at different steps and leaving the batch (groups of unequal sizes)."""
+    import common.sampling
+
+    ids, mask = encode_prompts(tokenizer, [p for p in PROMPTS for _ in range(3)], "cpu")
+    keys = [(7, i) for i in range(12)]
+    u = row_uniforms(keys, 12, "cpu")
+    eos = [tokenizer.eos_token_id] + tokenizer.convert_tokens_to_ids(list("13579"))  # rows end early, at different steps
+    runs, reads = {}, []
+    once = common.sampling.prompt_once
+    monkeypatch.setattr(common.sampling, "prompt_once", lambda *a: (reads.append(len(a[0])), once(*a))[1])
+    for rows in (None, 0):
+        tokens, logps = sample(tiny_model, ids, mask, 12, temperature, eos, tokenizer.pad_token_id, u,
+                               shared_prompt_rows=rows)
+        cmask, finished = completion_mask(tokens, eos)
+        runs[rows] = Rollout(ids, mask, tokens, cmask, logps * cmask, finished, [""] * 12)
+    assert_same_samples(tiny_model, runs[None], runs[0], keys, 12, temperature)
+    lengths = runs[0].completion_mask.sum(-1)
+    assert lengths.min() < lengths.max() and lengths.max() > 6  # rows ended at different steps; several decode steps
+    layers = tiny_model.config.num_hidden_layers
+    assert len(reads) % layers == 0 and len(reads) >= 6 * layers  # every layer, every decode step of the second run
+    assert min(reads) < 12  # and after rows had left the batch
+
+
+def test_prompt_once_is_sdpa_on_each_rows_copy_for_every_mask_and_group():
+    """The attention of one query position over a prompt held once and each row's own positions, against
+    transformers' sdpa_attention_forward on each row's copy: 6 query heads on 2 key/value heads and on 6 (no GQA),
+    groups of 3 and 1 rows and a prompt whose rows have all left (dropped from the layer), prompts left-padded;
+    boolean, additive (finfo.min), batch-shared, no masks, one with a row's own position masked, and one masking a
+    row's whole prompt (its own positions only, no NaN)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from common.sampling import SharedPromptLayer, prompt_once
+
+    g = torch.Generator().manual_seed(0)
+    P, L_p, t, D = 3, 5, 4, 8
+    rows = torch.tensor([0, 2, 0, 0])  # prompt 0 has 3 rows, prompt 2 one, prompt 1 none
+    prompt_mask = torch.ones(P, L_p, dtype=torch.bool)
+    prompt_mask[2, :2] = False  # prompt 2 is left-padded by 2
+    for H, H_kv in ((6, 2), (6, 6)):
+        module = torch.nn.Module()
+        module.num_key_value_groups = H // H_kv
+        k_p, v_p = torch.randn(P, H_kv, L_p, D, generator=g), torch.randn(P, H_kv, L_p, D, generator=g)
+        q, k, v = (torch.randn(4, H, 1, D, generator=g), torch.randn(4, H_kv, t, D, generator=g),
+                   torch.randn(4, H_kv, t, D, generator=g))
+        padded = torch.cat([prompt_mask[rows], torch.ones(4, t, dtype=torch.bool)], -1)[:, None, None]
+        holes, no_prompt = padded.clone(), padded.clone()
+        holes[2, ..., L_p + 1] = False
+        no_prompt[3, ..., :L_p] = False
+        masks = [padded, torch.where(padded, 0.0, torch.finfo(torch.float32).min), padded[1:2], None, holes, no_prompt]
+        layer = SharedPromptLayer(k_p, v_p, t, rows)
+        assert len(layer.prompt_keys) == 2 and layer.rows.tolist() == [0, 1, 0, 0]  # prompt 1 dropped
+        layer.update(k, v)
+        assert layer.get_seq_length() == L_p + t
+        copies = layer.copies()
+        assert torch.equal(copies[0], torch.cat([k_p[rows], k], -2))
+        for i, mask in enumerate(masks):
+            own = sdpa_attention_forward(module, q, *copies, mask, scaling=0.3)[0]
+            ours = prompt_once(q, layer, layer.keys, layer.values, mask, 0.3)
+            assert ours.shape == own.shape == (4, 1, H, D)
+            assert torch.allclose(ours, own, atol=1e-5), i
+
+
+def test_the_shared_prompt_attention_serves_only_its_marked_keys_and_sends_the_rest_to_transformers():
+    """A call on a SharedPromptLayer's keys is served (prompt_once, the layer marked served) when it is a decode step;
+    a prompt's many query positions get each row's copy, then transformers' function; unmarked keys go there as
+    they are; values other than the layer's, or a mask as long as the keys given rather than the layer's positions, are
+    refused (the sampler then goes back to each row's copy)."""
+    from common.sampling import SharedPromptLayer, shared_prompt_attention
+
+    seen = []
+    attention = shared_prompt_attention(lambda module, q, k, v, mask, **kw: (seen.append(k.shape), "transformers'")[1:])
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    layer = SharedPromptLayer(torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4), 3, torch.tensor([0, 0, 1]))
+    keys, values = layer.update(torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+    out, _ = attention(module, torch.randn(3, 2, 1, 4), keys, values, torch.ones(3, 1, 1, 6, dtype=torch.bool))
+    assert out.shape == (3, 1, 2, 4) and layer.served and not seen
+    assert attention(module, torch.randn(3, 2, 2, 4), keys, values, None) == ("transformers'",)
+    assert seen == [(3, 1, 6, 4)]  # each row's copy of its prompt before its own position
+    assert attention(module, torch.randn(3, 2, 1, 4), keys.clone(), values, None) == ("transformers'",)
+    assert seen[-1] == (3, 1, 1, 4)  # a tensor made from the keys carries no mark: passed through untouched
+    for bad in (dict(mask=torch.ones(3, 1, 1, 1, dtype=torch.bool)), dict(values=values * 2)):  # cut, or derived
+        with pytest.raises(ValueError, match="not the cache's"):  # (the sampler goes back to each row's copy)
+            attention(module, torch.randn(3, 2, 1, 4), keys, bad.get("values", values), bad.get("mask"))
+    layer.served = False  # a 16-bit query: each row's copy, then transformers' function; the layer not marked served
+    assert attention(module, torch.randn(3, 2, 1, 4, dtype=torch.bfloat16), keys, values, None) == ("transformers'",)
+    assert seen[-1] == (3, 1, 6, 4) and not layer.served
+
+
+def test_the_cache_holding_each_prompt_once_is_freed_when_the_rollout_ends(tiny_model, tokenizer, monkeypatch):
+    """The mark on a layer's keys refers to the layer weakly: with the garbage collector off, the layers (and their
+    buffers, most of an evaluation's memory) go as soon as sample() returns."""
+    import gc
+    import weakref
+
+    import common.sampling
+
+    made, layer = [], common.sampling.SharedPromptLayer
+    monkeypatch.setattr(common.sampling, "SharedPromptLayer", lambda *a: (lambda x: (made.append(weakref.ref(x)), x)[1])(layer(*a)))
+    ids, mask = encode_prompts(tokenizer, [p for p in PROMPTS for _ in range(2)], "cpu")
+    gc.disable()
+    try:
+        sample(tiny_model, ids, mask, 4, 0.0, [], tokenizer.pad_token_id, shared_prompt_rows=0)
+        assert len(made) == tiny_model.config.num_hidden_layers and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("preallocate, temperature", [(True, 1.0), (False, 1.0), (True, 0.0)])
 def test_ended_rows_leave_the_decoding_batch_and_the_others_draw_what_they_would_have(tokenizer, preallocate, temperature):
     """The embedded model on prompts of 3 to 7 digits: completions end at different steps. With leave_batch the rows

@@ -281,6 +281,17 @@ def test_the_decode_attention_on_key_value_heads_is_transformers_own_on_every_ma
     assert passed(module, torch.randn(3, 4, 6, 8), k, v, padded)[0] == "transformers'"
 
 
+def families_not_refused():
+    """(model_type, tiny model) of every family with a tiny model that the load-time check does not refuse."""
+    for model_type in SERVED + OTHERS:
+        try:
+            model = tiny_model(model_type)
+            check_forward(model, model_type)
+        except (pytest.skip.Exception, ConfigError):
+            continue
+        yield model_type, model
+
+
 def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_forward(monkeypatch):
     """gqa_decoding serves only where the installed transformers lacks pack_gqa; forced here over this release's own
     SDPA with its packing path closed (as in the test above), every family that is not refused samples as its own
@@ -292,12 +303,7 @@ def test_the_decode_attention_on_key_value_heads_samples_as_every_familys_own_fo
     serve_gqa_decoding()
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed  # in place already (or not needed): nothing wrapped twice
     calls, served = decode_attention_calls(monkeypatch), set()
-    for model_type in SERVED + OTHERS:
-        try:
-            model = tiny_model(model_type)
-            check_forward(model, model_type)
-        except (pytest.skip.Exception, ConfigError):
-            continue
+    for model_type, model in families_not_refused():
         calls.clear()
         assert_sampled_as_its_own_forward(model)
         if any(n > 1 for *_, n in calls):  # more than one query position at a decode step: its packed query heads
@@ -317,12 +323,7 @@ def test_each_prompt_held_once_samples_as_every_familys_own_forward_or_goes_back
     once, copies = common.sampling.prompt_once, common.sampling.back_to_copies
     monkeypatch.setattr(common.sampling, "prompt_once", lambda *a: (served.add(current[0]), once(*a))[1])
     monkeypatch.setattr(common.sampling, "back_to_copies", lambda *a: (back.add(current[0]), copies(*a))[1])
-    for model_type in SERVED + OTHERS:
-        try:
-            model = tiny_model(model_type)
-            check_forward(model, model_type)
-        except (pytest.skip.Exception, ConfigError):
-            continue
+    for model_type, model in families_not_refused():
         current[0] = model_type
         assert_sampled_as_its_own_forward(model, shared_prompt_rows=0)
     assert set(SERVED) - {"gemma2"} <= served  # (Gemma-2's sliding layers keep transformers' own cache: no sharing)

@@ -72,6 +72,9 @@ def memory(args: Args) -> None:
 
 
 def main(args: Args) -> None:
+    if args.memory:  # each arm in a child process; this one loads nothing
+        memory(args)
+        return
     path = resolve_model("smollm2-135m-instruct", "gsm8k")
     model, tokenizer = load_model(path).eval(), load_tokenizer(path)
     problems = prompts(args.eval_prompts)
@@ -91,9 +94,6 @@ def main(args: Args) -> None:
     if args.arm is not None:  # a --memory child: one sample of one arm, then its peak resident memory (kB on Linux)
         run(args.arm)
         print(f"peak_rss_mb {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
-        return
-    if args.memory:
-        memory(args)
         return
     for arm in ARMS:  # warm-up: allocator, oneDNN's primitives
         run(arm)

@@ -189,7 +189,8 @@ class PreallocatedLayer(DynamicLayer):
         if rows is not None:  # row b starts from the keys and values of row rows[b] (a group's shared prompt)
             rows = rows.to(keys.device)
             B, keys, values = len(rows), keys.index_select(0, rows), values.index_select(0, rows)
-        self.key_buffer, self.value_buffer = keys.new_empty(B, H, L + extra, D), values.new_empty(B, H, L + extra, D)
+        self.key_buffer = keys.new_empty(B, H, L + extra, D)
+        self.value_buffer = values.new_empty(B, H, L + extra, values.shape[-1])
         self.key_buffer[:, :, :L], self.value_buffer[:, :, :L] = keys, values
         self.length, self.device, self.is_initialized = L, keys.device, True
         self.keys, self.values = self.key_buffer[:, :, :L], self.value_buffer[:, :, :L]
@@ -208,21 +209,18 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
 
-class SharedPromptLayer(DynamicLayer):
+class SharedPromptLayer(PreallocatedLayer):
     """One layer's keys and values with each distinct prompt held once: the prompts' (P, H_kv, L_p, D) as the prompt
-    pass left them, and each row's generated positions in a buffer as long as the rollout, (B, H_kv, extra, D), row b's
+    pass left them, and each row's generated positions in PreallocatedLayer's buffers, (B, H_kv, extra, D), row b's
     prompt being rows[b]. update() returns the rows' own positions only, marked with this layer (`postrl_prompt`);
     the process's "sdpa" attention (shared_prompt_attention) reads the prompt part from here, once per group, and
     records that it did (`served`). A layer whose attention never saw the mark is found after the first decode step
     and the sampler goes back to each row's copy (copies())."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, extra: int, rows: torch.Tensor):
-        super().__init__()
-        self.prompt_keys, self.prompt_values, self.prompt_length = keys, values, keys.shape[-2]
-        B, H = len(rows), keys.shape[1]
-        self.key_buffer = keys.new_empty(B, H, extra, keys.shape[-1])
-        self.value_buffer = values.new_empty(B, H, extra, values.shape[-1])
-        self.length, self.device, self.is_initialized, self.served = 0, keys.device, True, False
+        B, H = len(rows), keys.shape[1]  # the buffers start empty: no prompt is copied into them
+        super().__init__(keys.new_empty(B, H, 0, keys.shape[-1]), values.new_empty(B, H, 0, values.shape[-1]), extra)
+        self.prompt_keys, self.prompt_values, self.prompt_length, self.served = keys, values, keys.shape[-2], False
         self.keep(rows.to(keys.device))
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -239,26 +237,21 @@ class SharedPromptLayer(DynamicLayer):
                                                                                     counts)
         self.grid = torch.empty_like(rows)
         self.grid[order] = rows[order] * self.group + rank
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Keep the rows beam_idx (the sampler drops finished rows: leave_batch); the prompts stay as they are."""
-        idx = beam_idx.to(self.key_buffer.device)
-        self.key_buffer, self.value_buffer = self.key_buffer.index_select(0, idx), self.value_buffer.index_select(0, idx)
-        self.keep(self.rows[idx])
+        super().reorder_cache(beam_idx)
+        self.keep(self.rows[beam_idx.to(self.rows.device)])
 
     def get_seq_length(self) -> int:
         return self.prompt_length + self.length  # the positions each row attends: its prompt's and its own
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.key_buffer[:, :, self.length : end], self.value_buffer[:, :, self.length : end] = key_states, value_states
-        self.length = end
-        self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
+        keys, values = super().update(key_states, value_states)
         # an attribute of this very tensor (any op on it returns a tensor without it); weak, or the layer's buffers
         # would live in a reference cycle until the garbage collector ran
-        self.keys.postrl_prompt = weakref.ref(self)
-        return self.keys, self.values
+        keys.postrl_prompt = weakref.ref(self)
+        return keys, values
 
     def copies(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values with its own copy of its prompt's, (B, H_kv, L_p + t, D): what a
@@ -272,18 +265,20 @@ class SharedPromptLayer(DynamicLayer):
     crop = batch_select_indices = batch_repeat_interleave = offload = reset = unsupported  # they would miss the prompts
 
 
-def preallocated(cache, extra: int, rows: torch.Tensor | None = None, shared: bool = False) -> None:
+def preallocated(cache, extra: int, rows: torch.Tensor | None = None, shared: bool = False) -> bool:
     """Turn a transformers DynamicCache's layers into PreallocatedLayers with room for `extra` more positions, in
     place, row b holding row rows[b]'s keys and values if rows is given (what reorder_cache would do, into the new
     buffers); with shared (and rows), into SharedPromptLayers, each prompt held once. Any other cache is left as it is
-    (then reordered by rows)."""
+    (then reordered by rows). Returns whether the layers hold each prompt once."""
     layers = getattr(cache, "layers", None)
     if layers and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers):
         for i, layer in enumerate(layers):
             layers[i] = (SharedPromptLayer(layer.keys, layer.values, extra, rows) if shared and rows is not None else
                          PreallocatedLayer(layer.keys, layer.values, extra, rows))
-    elif rows is not None:
+        return shared and rows is not None
+    if rows is not None:
         cache.reorder_cache(rows)
+    return False
 
 
 def prompts_read_once(cache) -> bool:
@@ -552,9 +547,7 @@ def sample(model, prompt_ids, prompt_mask, max_new_tokens: int, temperature: flo
         first, index = shared  # row b's logits are those of its prompt index[b]
         logits, cache, _ = _forward(model, prompt_ids[first], mask[first], position[first], **prefill)
         if preallocate:  # row b's buffers start with its prompt's keys and values, or point to them (once)
-            preallocated(cache, max_new_tokens, rows=index, shared=once)
-            layers = getattr(cache, "layers", None) or []  # (another kind of cache is left as it is)
-            once = once and bool(layers) and all(type(layer) is SharedPromptLayer for layer in layers)
+            once = preallocated(cache, max_new_tokens, rows=index, shared=once)
         else:
             cache.reorder_cache(index)  # index_select along the batch: row b takes the cache of prompt index[b]
     else:

@@ -251,7 +251,7 @@ def test_prompt_once_is_sdpa_on_each_rows_copy_for_every_mask_and_group():
         layer.update(k, v)
         assert layer.get_seq_length() == L_p + t
         copies = layer.copies()
-        assert torch.equal(copies[0], torch.cat([k_p[rows], k], -2))
+        assert torch.equal(copies[0], torch.cat([k_p[rows], k], -2))  # gathered and concatenated: equal by construction
         for i, mask in enumerate(masks):
             own = sdpa_attention_forward(module, q, *copies, mask, scaling=0.3)[0]
             ours = prompt_once(q, layer, layer.keys, layer.values, mask, 0.3)
